@@ -1,0 +1,191 @@
+"""Backend registry: names to factories.
+
+Design requirement: importing scalestate imports no backend. A backend module is
+imported the first time a manager asks for it by name, so a backend with heavy
+or optional dependencies costs nothing until used.
+
+Built in:
+
+* ``emulation``: pure torch, any device; the reference.
+* ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, or CPU in recent torch).
+
+Third parties register with :func:`register_backend`, or without any import
+through the entry-point group ``scalestate.backends`` (the entry point names a
+factory: any callable returning a backend, a class included)::
+
+    [project.entry-points."scalestate.backends"]
+    mykernels = "mypkg.fp8:MyBackend"
+
+This table is the one process-wide registry in scalestate. It holds factories
+only: every manager calls the factory and owns the backend instance it gets,
+so two managers never share backend state.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import re
+from collections.abc import Callable
+
+import torch
+
+from scalestate.backends.base import Backend, CastSpec
+from scalestate.errors import BackendUnavailableError, ScaleStateError, UnknownBackendError
+
+__all__ = [
+    "Backend",
+    "BackendFactory",
+    "CastSpec",
+    "available_backends",
+    "get_backend",
+    "register_backend",
+    "resolve_backend",
+]
+
+ENTRY_POINT_GROUP = "scalestate.backends"
+
+#: Anything that returns a backend when called with no arguments.
+BackendFactory = Callable[[], Backend]
+
+_log = logging.getLogger("scalestate")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+
+#: Built-in backends, imported lazily from "module:attribute".
+_BUILTIN: dict[str, str] = {
+    "emulation": "scalestate.backends.emulation:EmulationBackend",
+    "scaled_mm": "scalestate.backends.scaled_mm:ScaledMMBackend",
+}
+#: Preference of ``backend="auto"`` per device type, best first.
+_AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    # On CUDA, FP8 tensor cores beat a float32 product of dequantized operands.
+    "cuda": ("cuda", "scaled_mm", "emulation"),
+    # On CPU, torch._scaled_mm is slower than the emulation's float32 GEMM
+    # (see benchmarks), so the reference is also the fastest.
+    "cpu": ("emulation",),
+}
+
+_registry: dict[str, str | BackendFactory] = dict(_BUILTIN)
+
+
+def register_backend(name: str, factory: BackendFactory, *, replace: bool = False) -> None:
+    """Make ``factory`` available as ``ScalingStateManager(..., backend=name)``.
+
+    Args:
+        name: letters, digits, ``_``, ``.``, ``-``; not ``"auto"``.
+        factory: called with no arguments, once per manager, returns a backend.
+        replace: allow replacing an existing registration of ``name``.
+
+    Raises:
+        ScaleStateError: the name is taken (and ``replace`` is false) or malformed.
+    """
+    if not isinstance(name, str) or not _NAME.match(name) or name == "auto":
+        raise ScaleStateError(
+            f"backend name must match {_NAME.pattern} and not be 'auto'; got {name!r}"
+        )
+    if not callable(factory):
+        raise ScaleStateError(f"factory for backend {name!r} must be callable; got {factory!r}")
+    if name in _registry and not replace:
+        raise ScaleStateError(
+            f"a backend named {name!r} is already registered; "
+            "pass replace=True to replace it, or choose another name"
+        )
+    _registry[name] = factory
+
+
+def _load_entry_points() -> None:
+    """Register every entry point of the group whose name is not registered yet."""
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        _registry.setdefault(ep.name, ep.value)
+
+
+def _registered_names() -> list[str]:
+    _load_entry_points()
+    return sorted(_registry)
+
+
+def get_backend(name: str) -> Backend:
+    """A new instance of the backend registered as ``name``.
+
+    Raises:
+        UnknownBackendError: nothing is registered under ``name``; the message
+            lists what is.
+    """
+    if name not in _registry:
+        _load_entry_points()
+    if name not in _registry:
+        raise UnknownBackendError(
+            f"no backend named {name!r}; registered: {', '.join(_registered_names())} "
+            "(or 'auto'). Register one with scalestate.backends.register_backend()"
+        )
+    target = _registry[name]
+    factory = _import(target) if isinstance(target, str) else target
+    backend = factory()
+    for member in ("available", "quantize", "scaled_mm", "update"):
+        if not callable(getattr(backend, member, None)):
+            raise ScaleStateError(
+                f"backend {name!r} ({type(backend).__qualname__}) has no method {member}(); "
+                "see scalestate.backends.Backend for the interface"
+            )
+    return backend
+
+
+def _import(target: str) -> BackendFactory:
+    module, _, attribute = target.partition(":")
+    factory: BackendFactory = getattr(importlib.import_module(module), attribute)
+    return factory
+
+
+def available_backends(device: torch.device | str | None = None) -> dict[str, tuple[bool, str]]:
+    """Every registered backend, with whether it can run on ``device`` and why.
+
+    Example:
+        >>> import scalestate as ss
+        >>> ss.backends.available_backends("cpu")["emulation"]
+        (True, 'pure torch: runs on any device')
+    """
+    dev = None if device is None else torch.device(device)
+    report: dict[str, tuple[bool, str]] = {}
+    for name in _registered_names():
+        try:
+            report[name] = get_backend(name).available(dev)
+        except Exception as exc:  # a broken third-party backend must not hide the others
+            report[name] = (False, f"failed to load: {type(exc).__name__}: {exc}")
+    return report
+
+
+def resolve_backend(name: str, device: torch.device | None = None) -> Backend:
+    """The backend a manager uses for ``name``, checked for availability.
+
+    ``"auto"`` picks the best backend that can run on ``device`` (default:
+    CUDA if torch sees a GPU, else CPU) and logs its choice on the
+    ``scalestate`` logger.
+
+    Raises:
+        UnknownBackendError: no backend is registered under ``name``.
+        BackendUnavailableError: it cannot run here; the message says why.
+    """
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name != "auto":
+        backend = get_backend(name)
+        ok, reason = backend.available(device)
+        if not ok:
+            raise BackendUnavailableError(
+                f"backend {name!r} cannot run on {device}: {reason}. "
+                "Use backend='auto' or backend='emulation'"
+            )
+        return backend
+    reasons = []
+    for candidate in _AUTO_ORDER.get(device.type, ("emulation",)):
+        if candidate not in _registry:
+            reasons.append(f"{candidate}: not registered")
+            continue
+        backend = get_backend(candidate)
+        ok, reason = backend.available(device)
+        if ok:
+            _log.info("scalestate: backend='auto' chose %r on %s (%s)", candidate, device, reason)
+            return backend
+        reasons.append(f"{candidate}: {reason}")
+    raise BackendUnavailableError(f"no backend can run on {device}: " + "; ".join(reasons))

@@ -1,0 +1,7 @@
+"""``python -m scalestate``: the same as the ``scalestate`` command."""
+
+import sys
+
+from scalestate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,78 @@
+"""`scalestate.checkpoint`: activation checkpointing that marks its recompute explicitly."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any
+
+import torch.utils.checkpoint
+
+from scalestate.phase import recompute_region, training_forward_region
+
+__all__ = ["checkpoint"]
+
+ContextFn = Callable[[], tuple[ContextManager[Any], ContextManager[Any]]]
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool = False,
+    context_fn: ContextFn | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``torch.utils.checkpoint.checkpoint`` whose recompute every manager knows for one.
+
+    Plain torch checkpointing already works with scalestate: a recompute runs
+    inside autograd's backward, where it is recognised. Use this instead when
+    that recognition is not available, e.g. a backward driven by code outside
+    autograd's engine, or to be explicit. Non-reentrant by default, as torch
+    recommends.
+
+    Args:
+        fn: the region to checkpoint.
+        *args: its inputs.
+        use_reentrant: passed to torch; the reentrant forward (which torch runs
+            under ``no_grad``) is marked as a training forward.
+        context_fn: non-reentrant only, as in torch (e.g. selective activation
+            checkpointing contexts); composed with the recompute mark.
+        **kwargs: passed to torch (``preserve_rng_state``, ``determinism_check``, ...).
+
+    Example:
+        >>> import torch, scalestate as ss
+        >>> m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        >>> layer = ss.nn.Linear(8, 8, manager=m)
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> ss.checkpoint(layer, x).sum().backward()
+    """
+    if use_reentrant:
+        if context_fn is not None:
+            raise ValueError("context_fn is only supported with use_reentrant=False (as in torch)")
+        calls = 0
+
+        def marked(*a: Any, **k: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            mark = training_forward_region() if calls == 1 else recompute_region()
+            with mark:
+                return fn(*a, **k)
+
+        return torch.utils.checkpoint.checkpoint(marked, *args, use_reentrant=True, **kwargs)
+
+    def contexts() -> tuple[ContextManager[Any], ContextManager[Any]]:
+        forward_ctx, recompute_ctx = (
+            context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+        )
+        return forward_ctx, _both(recompute_ctx, recompute_region())
+
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, context_fn=contexts, **kwargs
+    )
+
+
+@contextlib.contextmanager
+def _both(first: ContextManager[Any], second: ContextManager[Any]) -> Iterator[None]:
+    with first, second:
+        yield

@@ -1,0 +1,143 @@
+"""The demo's training runs: fp32 reference, FP8 with and without checkpointing."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import attrs
+import torch
+from torch import Tensor
+
+import scalestate as ss
+from scalestate.demo.data import batches, corpus, decode, encode
+from scalestate.demo.model import TinyLM
+from scalestate.demo.progress import Progress
+
+__all__ = ["DemoConfig", "RunResult", "train"]
+
+
+@attrs.frozen
+class DemoConfig:
+    """Everything a demo run depends on; two runs of one config are bitwise identical."""
+
+    #: Optimizer steps.
+    steps: int = 150
+    #: Microbatches per step (gradient accumulation).
+    microbatches: int = 4
+    #: Sequences per microbatch.
+    microbatch_size: int = 8
+    #: Tokens per sequence.
+    seq_len: int = 64
+    #: Model width, depth and attention heads.
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    #: Peak learning rate of AdamW (linear warmup over the first 10% of steps).
+    lr: float = 3e-3
+    #: Seed of initialisation and data order.
+    seed: int = 0
+    #: scalestate backend of the FP8 runs.
+    backend: str = "emulation"
+    #: ``"delayed"`` or ``"current"`` scaling.
+    recipe: Literal["delayed", "current"] = "delayed"
+    #: Amax history length of delayed scaling.
+    history_len: int = 16
+
+    def make_recipe(self) -> ss.Recipe:
+        """The scalestate recipe of the FP8 runs."""
+        if self.recipe == "current":
+            return ss.CurrentScaling()
+        return ss.DelayedScaling(history_len=self.history_len)
+
+
+@attrs.frozen(eq=False)
+class RunResult:
+    """What one run produced."""
+
+    label: str
+    losses: list[float]
+    val_loss: float
+    seconds: float
+    params: dict[str, Tensor]
+    #: ``ScalingStateManager.state_dict()`` after the last step (FP8 runs).
+    scaling: dict[str, Any] | None
+    sample: str
+
+
+def _split(cfg: DemoConfig) -> tuple[Tensor, Tensor]:
+    tokens = encode(corpus())
+    cut = int(tokens.numel() * 0.95)
+    return tokens[:cut], tokens[cut:]
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def train(cfg: DemoConfig, *, fp8: bool, checkpoint: bool, label: str, show_progress: bool = True) -> RunResult:
+    """Train one model from scratch and evaluate it on held-out text."""
+    train_tokens, val_tokens = _split(cfg)
+    torch.manual_seed(cfg.seed)
+    model = TinyLM(
+        d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+        seq_len=cfg.seq_len, checkpoint=checkpoint,
+    )
+    manager = None
+    if fp8:
+        manager = ss.ScalingStateManager(cfg.make_recipe(), backend=cfg.backend)
+        ss.nn.convert(model, manager)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    warmup = max(1, cfg.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    data = batches(
+        train_tokens, steps=cfg.steps, batch=cfg.microbatches * cfg.microbatch_size,
+        seq_len=cfg.seq_len, seed=cfg.seed + 1,
+    )
+    progress = Progress(label, cfg.steps) if show_progress else None
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step_batch in data:
+        total = 0.0
+        for mb in step_batch.chunk(cfg.microbatches):
+            with manager.forward() if manager else _nothing():
+                loss = model.loss(mb) / cfg.microbatches
+            with manager.backward() if manager else _nothing():
+                torch.autograd.backward(loss)
+            total += loss.item()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if manager:
+            manager.step()
+        losses.append(total)
+        if progress:
+            progress.update(total)
+    seconds = time.perf_counter() - start
+    val_loss, sample = _evaluate(model, cfg, val_tokens)
+    return RunResult(
+        label=label,
+        losses=losses,
+        val_loss=val_loss,
+        seconds=seconds,
+        params={k: v.detach().clone() for k, v in model.named_parameters()},
+        scaling=manager.state_dict() if manager else None,
+        sample=sample,
+    )
+
+
+@torch.no_grad()
+def _evaluate(model: TinyLM, cfg: DemoConfig, val_tokens: Tensor) -> tuple[float, str]:
+    """Held-out loss and a short greedy sample; an evaluation pass records nothing."""
+    model.eval()
+    val = batches(val_tokens, steps=4, batch=16, seq_len=cfg.seq_len, seed=cfg.seed + 2)
+    val_loss = sum(model.loss(b).item() for b in val) / len(val)
+    tokens = encode("The ")
+    for _ in range(80):
+        logits = model(tokens[-cfg.seq_len:].unsqueeze(0))
+        tokens = torch.cat([tokens, logits[0, -1].argmax().reshape(1)])
+    model.train()
+    return val_loss, decode(tokens)

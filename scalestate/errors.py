@@ -1,0 +1,52 @@
+"""Exceptions raised by scalestate.
+
+Every error a user can cause derives from :class:`ScaleStateError`, and also
+from the builtin exception that describes its category (``ValueError``,
+``RuntimeError``, ``LookupError``), so code that already catches those keeps
+working. Messages say what was expected, what was received and what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "PhaseError",
+    "RecipeError",
+    "RecomputeMismatchError",
+    "ScaleStateError",
+    "SlotError",
+    "StateDictError",
+    "UnknownBackendError",
+]
+
+
+class ScaleStateError(Exception):
+    """Base class of every error raised by scalestate."""
+
+
+class RecipeError(ScaleStateError, ValueError):
+    """A recipe field has a value outside what it allows."""
+
+
+class PhaseError(ScaleStateError, RuntimeError):
+    """A phase method was called in a phase where it is not allowed."""
+
+
+class SlotError(ScaleStateError, ValueError):
+    """A slot was registered twice, or a role was used that a slot lacks."""
+
+
+class UnknownBackendError(ScaleStateError, LookupError):
+    """No backend is registered under the requested name."""
+
+
+class BackendUnavailableError(ScaleStateError, RuntimeError):
+    """The backend exists but cannot run here; the message says why."""
+
+
+class StateDictError(ScaleStateError, ValueError):
+    """A state dict does not match the manager it is loaded into."""
+
+
+class RecomputeMismatchError(ScaleStateError, RuntimeError):
+    """A recomputed region observed other amax values than its forward did."""

@@ -1,0 +1,91 @@
+"""`ScalingHandle`: what a module holds to cast through its manager."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from scalestate.errors import SlotError
+from scalestate.quantized import Quantized
+from scalestate.recipe import Role
+
+if TYPE_CHECKING:
+    from scalestate.manager import ScalingStateManager
+
+__all__ = ["ScalingHandle"]
+
+
+class ScalingHandle:
+    """The casts of one registered name: one slot per role.
+
+    Made by :meth:`ScalingStateManager.register`; a module keeps it and casts
+    through it. The handle holds no state of its own: every value lives in the
+    manager.
+
+    Example:
+        >>> import torch, scalestate as ss
+        >>> m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        >>> h = m.register("fc1", roles=(ss.Role.INPUT, ss.Role.WEIGHT))
+        >>> q = h.quantize(torch.ones(2, 2), ss.Role.INPUT)
+        >>> h.scale(ss.Role.INPUT)  # no step yet: casts are scaled just in time
+        tensor(1.)
+    """
+
+    __slots__ = ("_manager", "_name", "_rows")
+
+    def __init__(self, manager: ScalingStateManager, name: str, rows: dict[Role, int]) -> None:
+        self._manager = manager
+        self._name = name
+        self._rows = rows
+
+    @property
+    def name(self) -> str:
+        """The name it was registered under."""
+        return self._name
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """The roles it casts, in registration order."""
+        return tuple(self._rows)
+
+    @property
+    def manager(self) -> ScalingStateManager:
+        """The manager that owns its state."""
+        return self._manager
+
+    def _row(self, role: Role) -> int:
+        try:
+            return self._rows[role]
+        except (KeyError, TypeError):
+            have = ", ".join(r.name for r in self._rows)
+            raise SlotError(
+                f"slot {self._name!r} has roles ({have}); {role!r} was not registered. "
+                f"Add it to manager.register({self._name!r}, roles=...)"
+            ) from None
+
+    def quantize(self, x: Tensor, role: Role) -> Quantized:
+        """Cast ``x`` to FP8 for ``role``; the result carries its own ``scale_inv``.
+
+        The scale is the slot's current one, or, for a slot with no history yet,
+        one derived from ``x`` itself. Whether the amax of ``x`` is recorded
+        depends on the phase (see :mod:`scalestate.phase`). ``WEIGHT`` casts are
+        cached per (tensor version, scale epoch) and reused until either changes.
+
+        No autograd graph is built through the cast: call it from the module's
+        forward (for forward roles) and from ``autograd.Function.backward``
+        (for ``GRAD_OUTPUT``), and route gradients with an autograd Function.
+        """
+        return self._manager._cast(self._name, self._row(role), role, x)
+
+    def scale(self, role: Role) -> Tensor:
+        """A copy of the slot's current scale (0-d float32)."""
+        return self._manager._state.scales[self._row(role)].clone()
+
+    def amax_history(self, role: Role) -> Tensor:
+        """A copy of the slot's amax history (``[history_len]`` float32, newest last)."""
+        return self._manager._state.history[self._row(role)].clone()
+
+    def __repr__(self) -> str:
+        roles = ", ".join(r.name for r in self._rows)
+        return f"<ScalingHandle({self._name!r}, roles=({roles}))>"

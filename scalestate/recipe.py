@@ -1,0 +1,186 @@
+"""Recipes: how each FP8 cast is scaled.
+
+A recipe is a frozen description; the state it implies (histories, scales)
+lives in :class:`~scalestate.ScalingStateManager`. Variants are made with
+:func:`attrs.evolve`::
+
+    >>> import attrs, scalestate as ss
+    >>> r = ss.DelayedScaling(history_len=16)
+    >>> attrs.evolve(r, margin=1).margin
+    1
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from scalestate.errors import RecipeError
+
+__all__ = [
+    "CurrentScaling",
+    "DelayedScaling",
+    "Direction",
+    "Format",
+    "Recipe",
+    "Role",
+    "fp8_max",
+]
+
+
+class Direction(enum.Enum):
+    """Which pass a cast belongs to."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Role(enum.Enum):
+    """What a cast is: each role knows the pass it belongs to.
+
+    ``INPUT`` and ``WEIGHT`` are cast in the forward pass (and again in a
+    recompute); ``GRAD_OUTPUT`` is cast in the backward pass.
+    """
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    GRAD_OUTPUT = "grad_output"
+
+    @property
+    def direction(self) -> Direction:
+        """The pass this role is cast in."""
+        return Direction.BACKWARD if self is Role.GRAD_OUTPUT else Direction.FORWARD
+
+
+class Format(enum.Enum):
+    """FP8 formats. ``HYBRID`` is E4M3 in the forward pass and E5M2 in the backward."""
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+    HYBRID = "hybrid"
+
+    def dtype(self, role: Role) -> torch.dtype:
+        """The torch float8 dtype that casts of ``role`` use under this format."""
+        if self is Format.E4M3 or (self is Format.HYBRID and role.direction is Direction.FORWARD):
+            return torch.float8_e4m3fn
+        return torch.float8_e5m2
+
+
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of a float8 dtype (E4M3: 448, E5M2: 57344)."""
+    try:
+        return _FP8_MAX[dtype]
+    except KeyError:
+        raise RecipeError(
+            f"expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
+        ) from None
+
+
+def _check_format(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, Format):
+        allowed = ", ".join(f"Format.{f.name}" for f in Format)
+        raise RecipeError(f"{attribute.name} must be one of {allowed}; got {value!r}")
+
+
+def _check_bool(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        raise RecipeError(f"{attribute.name} must be True or False; got {value!r}")
+
+
+def _check_history_len(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecipeError(f"{attribute.name} must be an int >= 1; got {value!r}")
+
+
+def _check_margin(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64:
+        raise RecipeError(f"{attribute.name} must be an int in [0, 64]; got {value!r}")
+
+
+def _check_amax_compute(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in ("max", "most_recent"):
+        raise RecipeError(f"{attribute.name} must be 'max' or 'most_recent'; got {value!r}")
+
+
+@attrs.frozen
+class DelayedScaling:
+    """Scale each cast from the amax history of earlier steps.
+
+    Between two ``step()`` calls every cast of a slot uses one scale; the amax
+    values observed in the meantime are max-reduced and rolled into the
+    history at ``step()``. A slot with no history yet (before its first
+    ``step()``) is scaled just in time from each tensor it casts.
+
+    Example:
+        >>> import scalestate as ss
+        >>> ss.DelayedScaling(history_len=16, amax_compute="max", margin=0)
+        DelayedScaling(history_len=16, amax_compute='max', margin=0, format=<Format.HYBRID: 'hybrid'>, power_of_2=False)
+    """
+
+    #: Number of past steps whose amax is kept per slot (newest last).
+    history_len: int = attrs.field(default=16, validator=_check_history_len)
+    #: ``"max"``: scale from the largest amax in the history; ``"most_recent"``:
+    #: from the newest one.
+    amax_compute: Literal["max", "most_recent"] = attrs.field(
+        default="max", validator=_check_amax_compute
+    )
+    #: Headroom: the scale is divided by ``2**margin``.
+    margin: int = attrs.field(default=0, validator=_check_margin)
+    #: FP8 format of forward and backward casts.
+    format: Format = attrs.field(default=Format.HYBRID, validator=_check_format)
+    #: Round each scale down to a power of two (exact rescaling, no mantissa error).
+    power_of_2: bool = attrs.field(default=False, validator=_check_bool)
+
+    @property
+    def delayed(self) -> bool:
+        """True: scales come from the history of earlier steps."""
+        return True
+
+
+@attrs.frozen
+class CurrentScaling:
+    """Scale each cast just in time from the tensor being cast.
+
+    Every cast computes the tensor's amax first and derives its scale from it;
+    nothing carries over between steps except the last step's amax, which is
+    kept for inspection.
+
+    Example:
+        >>> import scalestate as ss
+        >>> ss.CurrentScaling(power_of_2=True).power_of_2
+        True
+    """
+
+    #: FP8 format of forward and backward casts.
+    format: Format = attrs.field(default=Format.HYBRID, validator=_check_format)
+    #: Round each scale down to a power of two.
+    power_of_2: bool = attrs.field(default=False, validator=_check_bool)
+
+    @property
+    def delayed(self) -> bool:
+        """False: every cast is scaled from the tensor itself."""
+        return False
+
+    @property
+    def history_len(self) -> int:
+        """One entry: the last step's amax, for inspection."""
+        return 1
+
+    @property
+    def amax_compute(self) -> Literal["most_recent"]:
+        """The kept entry is the last step's amax."""
+        return "most_recent"
+
+    @property
+    def margin(self) -> int:
+        """No headroom: the tensor's own amax is known exactly."""
+        return 0
+
+
+Recipe = DelayedScaling | CurrentScaling

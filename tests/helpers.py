@@ -1,0 +1,274 @@
+"""Training harness shared by the parity tests.
+
+``train`` runs a model for a few optimizer steps with microbatches, an AdamW
+optimizer that moves the weights, and data whose range grows every step (so
+scales really move), and records everything the invariants compare.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as tcp
+from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+
+import scalestate as ss
+
+DIM = 32
+
+
+class Block(nn.Module):
+    """Transformer block: causal attention and GELU MLP of ss.nn.Linear, layer norms, residuals."""
+
+    def __init__(self, manager: ss.ScalingStateManager, prefix: str, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(DIM)
+        self.qkv = ss.nn.Linear(DIM, 3 * DIM, manager=manager, name=f"{prefix}.qkv")
+        self.proj = ss.nn.Linear(DIM, DIM, manager=manager, name=f"{prefix}.proj")
+        self.ln2 = nn.LayerNorm(DIM)
+        self.fc1 = ss.nn.Linear(DIM, 2 * DIM, manager=manager, name=f"{prefix}.fc1")
+        self.fc2 = ss.nn.Linear(2 * DIM, DIM, manager=manager, name=f"{prefix}.fc2")
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def checkpointer(mechanism: str, manager: ss.ScalingStateManager | None = None) -> Callable[[nn.Module], nn.Module]:
+    """Wrap a module so its forward is checkpointed by ``mechanism``."""
+
+    def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> tcp.CheckpointPolicy:
+        saved = (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
+        return tcp.CheckpointPolicy.MUST_SAVE if op in saved else tcp.CheckpointPolicy.PREFER_RECOMPUTE
+
+    calls: dict[str, Callable[..., Tensor]] = {
+        "reentrant": functools.partial(tcp.checkpoint, use_reentrant=True),
+        "non_reentrant": functools.partial(tcp.checkpoint, use_reentrant=False),
+        "selective": functools.partial(
+            tcp.checkpoint,
+            use_reentrant=False,
+            context_fn=functools.partial(tcp.create_selective_checkpoint_contexts, sac_policy),
+        ),
+        "ss": ss.checkpoint,
+        "ss_reentrant": functools.partial(ss.checkpoint, use_reentrant=True),
+    }
+    if mechanism == "wrapper":
+        return lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if mechanism == "wrapper_reentrant":
+        return lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.REENTRANT)
+    call = calls[mechanism]
+    return lambda m: _Checkpointed(m, call)
+
+
+MECHANISMS = (
+    "reentrant", "non_reentrant", "selective", "wrapper", "wrapper_reentrant", "ss", "ss_reentrant",
+)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module, call: Callable[..., Tensor]) -> None:
+        super().__init__()
+        self.inner, self.call = inner, call
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.call(self.inner, x)
+
+
+class Model(nn.Module):
+    """``n_blocks`` blocks (or one Linear) with optional checkpointing.
+
+    ``granularity``: ``"none"``, ``"model"`` (one region around everything),
+    ``"block"`` (a region per block), ``"nested"`` (a region per block inside
+    one around everything).
+    """
+
+    def __init__(
+        self,
+        manager: ss.ScalingStateManager,
+        *,
+        kind: str = "block",
+        n_blocks: int = 2,
+        mechanism: str = "non_reentrant",
+        granularity: str = "none",
+    ) -> None:
+        super().__init__()
+        if kind == "linear":
+            layers: list[nn.Module] = [ss.nn.Linear(DIM, DIM, manager=manager, name="fc")]
+        else:
+            layers = [Block(manager, f"blocks.{i}") for i in range(n_blocks)]
+        wrap = checkpointer(mechanism, manager)
+        if granularity in ("block", "nested"):
+            layers = [wrap(layer) for layer in layers]
+        body: nn.Module = nn.Sequential(*layers)
+        if granularity in ("model", "nested"):
+            body = wrap(body)
+        self.body = body
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x)
+
+
+@attrs.define
+class Record:
+    """Everything a run produced, per step."""
+
+    manager: ss.ScalingStateManager | None = None
+    model: nn.Module | None = None
+    outputs: list[Tensor] = attrs.Factory(list)
+    input_grads: list[Tensor] = attrs.Factory(list)
+    weight_grads: list[dict[str, Tensor]] = attrs.Factory(list)
+    params: list[dict[str, Tensor]] = attrs.Factory(list)
+    histories: list[Tensor] = attrs.Factory(list)
+    scales: list[Tensor] = attrs.Factory(list)
+
+
+def data(steps: int, microbatches: int, *, kind: str = "block", seed: int = 1) -> list[list[Tensor]]:
+    """Per step, per microbatch, an input whose range grows with the step."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (4, DIM) if kind == "linear" else (2, 8, DIM)
+    return [
+        [torch.randn(shape, generator=gen) * (1 + step) * (1 + 0.5 * mb) for mb in range(microbatches)]
+        for step in range(steps)
+    ]
+
+
+def train(
+    recipe: ss.Recipe,
+    backend: str,
+    *,
+    kind: str = "block",
+    mechanism: str = "non_reentrant",
+    granularity: str = "none",
+    steps: int = 5,
+    microbatches: int = 2,
+    explicit_phases: bool = True,
+    schedule: str = "plain",
+    dtype: torch.dtype = torch.float32,
+    manager_kwargs: dict[str, Any] | None = None,
+    evaluate: bool = False,
+    uncached: bool = False,
+    order: list[int] | None = None,
+    lr: float = 0.05,
+) -> Record:
+    """Train from a fixed seed and record outputs, grads, params and scaling state per step.
+
+    ``schedule``: ``"plain"`` (forward then backward per microbatch),
+    ``"1f1b"`` (forward of microbatch i+1 before backward of i), or
+    ``"manual_recompute"`` (forward under no_grad, then an explicit
+    begin_recompute() re-run with grad and backward, as pipeline engines do).
+    ``evaluate``: a no_grad validation pass after every step.
+    ``uncached``: drop cached weight casts before every forward.
+    ``order``: the order in which each step's microbatches run.
+    ``lr``: AdamW learning rate (0 keeps the weights fixed).
+    """
+    torch.manual_seed(0)
+    manager = ss.ScalingStateManager(recipe, backend=backend, **(manager_kwargs or {}))
+    rec = Record(manager=manager)
+    model = Model(manager, kind=kind, mechanism=mechanism, granularity=granularity).to(dtype)
+    rec.model = model
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def fwd(x: Tensor) -> tuple[Tensor, Tensor]:
+        if uncached:
+            manager.invalidate_casts()
+        if explicit_phases:
+            with manager.forward():
+                y = model(x)
+        else:
+            y = model(x)
+        return y, (y.float() ** 2).mean()
+
+    def bwd(loss: Tensor) -> None:
+        if explicit_phases:
+            with manager.backward():
+                loss.backward()
+        else:
+            loss.backward()
+
+    for step_inputs in data(steps, microbatches, kind=kind):
+        if order is not None:
+            step_inputs = [step_inputs[i] for i in order]
+        xs = [x.to(dtype).requires_grad_() for x in step_inputs]
+        if schedule == "plain":
+            for x in xs:
+                y, loss = fwd(x)
+                bwd(loss)
+                rec.outputs.append(y.detach().clone())
+        elif schedule == "1f1b":
+            pending = [fwd(xs[0])]
+            for x in xs[1:]:
+                pending.append(fwd(x))
+                y, loss = pending.pop(0)
+                bwd(loss)
+                rec.outputs.append(y.detach().clone())
+            y, loss = pending.pop(0)
+            bwd(loss)
+            rec.outputs.append(y.detach().clone())
+        elif schedule == "manual_recompute":
+            for x in xs:
+                manager.begin_forward()
+                with torch.no_grad():
+                    y_fwd = model(x)
+                manager.begin_recompute()
+                y = model(x)
+                manager.begin_backward()
+                loss = (y.float() ** 2).mean()
+                loss.backward()
+                assert torch.equal(y_fwd, y.detach())
+                rec.outputs.append(y_fwd.clone())
+        else:
+            raise ValueError(schedule)
+        rec.input_grads.append(torch.cat([x.grad.flatten() for x in xs]))
+        rec.weight_grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        manager.step()
+        if evaluate:
+            with torch.no_grad():
+                model(step_inputs[0].to(dtype) * 50)
+        sd = manager.state_dict()
+        rec.params.append({k: p.detach().clone() for k, p in model.named_parameters()})
+        rec.histories.append(sd["amax_history"])
+        rec.scales.append(sd["scale"])
+    return rec
+
+
+def _strip(name: str) -> str:
+    """Parameter names without checkpoint wrapper prefixes, so runs compare by layer."""
+    for junk in ("_checkpoint_wrapped_module.", "inner."):
+        name = name.replace(junk, "")
+    return name
+
+
+def assert_bitwise(a: Record, b: Record) -> None:
+    """Every recorded tensor of two runs is ``torch.equal``."""
+    assert len(a.outputs) == len(b.outputs) and len(a.params) == len(b.params)
+    for i, (x, y) in enumerate(zip(a.outputs, b.outputs, strict=False)):
+        assert torch.equal(x, y), f"output of microbatch {i} differs"
+    for step, (x, y) in enumerate(zip(a.input_grads, b.input_grads, strict=False)):
+        assert torch.equal(x, y), f"input grads differ at step {step}"
+    for field in ("weight_grads", "params"):
+        for step, (da, db) in enumerate(zip(getattr(a, field), getattr(b, field), strict=False)):
+            da = {_strip(k): v for k, v in da.items()}
+            db = {_strip(k): v for k, v in db.items()}
+            assert da.keys() == db.keys()
+            for k in da:
+                assert torch.equal(da[k], db[k]), f"{field} {k} differ at step {step}"
+    for step, (x, y) in enumerate(zip(a.histories, b.histories, strict=False)):
+        assert torch.equal(x, y), f"amax histories differ after step {step}"
+    for step, (x, y) in enumerate(zip(a.scales, b.scales, strict=False)):
+        assert torch.equal(x, y), f"scales differ after step {step}"

@@ -1,0 +1,520 @@
+"""ScalingStateManager: registration, phases, step, and invariants 2-6 and 8."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.utils.checkpoint as tcp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import scalestate as ss
+from scalestate.errors import PhaseError, ScaleStateError, SlotError
+
+I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
+
+
+def _row_amax(manager: ss.ScalingStateManager, name: str, role: ss.Role) -> float:
+    sd = manager.state_dict()
+    return float(sd["step_amax"][sd["slots"].index([name, role.value])])
+
+
+def _count_weight_casts(manager: ss.ScalingStateManager, weight: torch.Tensor) -> list[int]:
+    """Wrap the manager's backend so casts of ``weight`` are counted."""
+    count = [0]
+    real = manager.backend.quantize
+
+    @functools.wraps(real)
+    def counting(x, *args, **kwargs):
+        if x.data_ptr() == weight.data_ptr():
+            count[0] += 1
+        return real(x, *args, **kwargs)
+
+    manager.backend.quantize = counting  # type: ignore[method-assign]
+    return count
+
+
+class TestRegister:
+    def test_rows_and_growth(self, delayed):
+        """Each role is a row of one contiguous buffer per kind, growing as slots register."""
+        delayed.register("a", roles=(I, W))
+        delayed.register("b")
+        st = delayed._state
+        assert st.history.shape == (5, 4) and st.scales.shape == (5,) and st.step_amax.shape == (5,)
+        assert st.history.is_contiguous()
+        assert [(s.name, s.role) for s in st.slots] == [("a", I), ("a", W), ("b", I), ("b", W), ("b", G)]
+
+    def test_growth_keeps_values(self, delayed):
+        """Registering after training keeps every earlier slot's state."""
+        h = delayed.register("a", roles=(I,))
+        with delayed.forward():
+            h.quantize(torch.full((4,), 3.0), I)
+        delayed.step()
+        before = h.amax_history(I)
+        delayed.register("b", roles=(I,))
+        assert torch.equal(h.amax_history(I), before)
+        assert delayed.handles["b"].scale(I).item() == 1.0
+
+    def test_duplicate_name(self, delayed):
+        """A name can be registered once per manager."""
+        delayed.register("fc")
+        with pytest.raises(SlotError, match="already registered"):
+            delayed.register("fc")
+
+    @pytest.mark.parametrize("roles", [(), ("input",), (I, I)])
+    def test_bad_roles(self, delayed, roles):
+        """Roles must be distinct Role values, at least one."""
+        with pytest.raises(SlotError, match=r"Role\.INPUT"):
+            delayed.register("fc", roles=roles)
+
+    @pytest.mark.parametrize("name", ["", None, 3])
+    def test_bad_name(self, delayed, name):
+        """Names are non-empty strings."""
+        with pytest.raises(SlotError):
+            delayed.register(name)
+
+    def test_unregistered_role(self, delayed):
+        """Casting a role the slot lacks says which roles it has."""
+        h = delayed.register("fc", roles=(I,))
+        with pytest.raises(SlotError, match=r"has roles \(INPUT\)"):
+            h.quantize(torch.ones(2), G)
+
+    def test_non_tensor_input(self, delayed):
+        """Integer tensors and non-tensors are refused with the type received."""
+        h = delayed.register("fc", roles=(I,))
+        with pytest.raises(ScaleStateError, match=r"torch\.int64"):
+            h.quantize(torch.ones(2, dtype=torch.long), I)
+
+    def test_bad_recipe(self):
+        """A manager needs a recipe object."""
+        with pytest.raises(ScaleStateError, match="DelayedScaling"):
+            ss.ScalingStateManager("delayed")  # type: ignore[arg-type]
+
+
+class TestPhases:
+    def test_begin_calls_set_phase(self, delayed):
+        """begin_* set the phase; step() returns to IDLE."""
+        assert delayed.phase is ss.Phase.IDLE
+        delayed.begin_forward()
+        assert delayed.phase is ss.Phase.FORWARD
+        delayed.begin_recompute()
+        assert delayed.phase is ss.Phase.RECOMPUTE
+        delayed.begin_backward()
+        assert delayed.phase is ss.Phase.BACKWARD
+        delayed.step()
+        assert delayed.phase is ss.Phase.IDLE
+
+    def test_blocks_restore(self, delayed):
+        """A block restores the phase it found, also on error."""
+        with delayed.forward():
+            assert delayed.phase is ss.Phase.FORWARD
+            with delayed.recompute():
+                assert delayed.phase is ss.Phase.RECOMPUTE
+            assert delayed.phase is ss.Phase.FORWARD
+        with pytest.raises(KeyError), delayed.backward():
+            raise KeyError
+        assert delayed.phase is ss.Phase.IDLE
+
+    def test_forward_inside_backward_block(self, delayed):
+        """Opposite blocks cannot nest; the error says which block to close."""
+        with delayed.backward(), pytest.raises(PhaseError, match="close the backward block"), delayed.forward():
+            pass
+
+    def test_begin_inside_block(self, delayed):
+        """begin_forward() inside a block names both."""
+        with delayed.backward(), pytest.raises(PhaseError, match=r"begin_forward\(\).*manager.backward"):
+            delayed.begin_forward()
+
+    def test_begin_recompute_inside_block_allowed(self, delayed):
+        """Recompute may start inside any block; the block restores on exit."""
+        with delayed.backward():
+            delayed.begin_recompute()
+            assert delayed.phase is ss.Phase.RECOMPUTE
+        assert delayed.phase is ss.Phase.IDLE
+
+    def test_step_inside_block(self, delayed):
+        """step() inside a block is refused before anything changes."""
+        with delayed.forward(), pytest.raises(PhaseError, match=r"step\(\) called inside"):
+            delayed.step()
+        assert delayed.iteration == 0
+
+    def test_forward_cast_in_backward_phase_outside_autograd(self, delayed):
+        """A forward cast in BACKWARD outside autograd's backward: error names the fix."""
+        h = delayed.register("fc", roles=(I,))
+        delayed.begin_backward()
+        with pytest.raises(PhaseError, match=r"begin_forward\(\).*begin_recompute\(\)"):
+            h.quantize(torch.ones(2), I)
+        with torch.no_grad():  # an evaluation pass there is fine and records nothing
+            h.quantize(torch.ones(2), I)
+        assert _row_amax(delayed, "fc", I) == 0.0
+
+    def test_forward_only_passes(self, delayed):
+        """Several forwards per step and forwards without backward are normal."""
+        h = delayed.register("fc", roles=(I,))
+        for v in (1.0, 5.0, 2.0):
+            with delayed.forward():
+                h.quantize(torch.full((3,), v), I)
+        assert _row_amax(delayed, "fc", I) == 5.0
+        delayed.step()
+        assert delayed.iteration == 1
+
+    def test_repr(self, delayed):
+        """The repr summarizes recipe, backend, phase, slots and step."""
+        delayed.register("fc")
+        delayed.begin_forward()
+        assert repr(delayed) == (
+            "<ScalingStateManager(recipe=DelayedScaling, backend='emulation', phase=FORWARD, slots=3, step=0)>"
+        )
+
+    def test_forward_casts_inside_function_forward_are_caught(self, delayed):
+        """Casting in autograd.Function.forward with no phase set is reported at step()."""
+        h = delayed.register("fc", roles=(I, G))
+
+        class Cast(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return h.quantize(x, I).dequantize()
+
+            @staticmethod
+            def backward(ctx, g):
+                return h.quantize(g, G).dequantize()
+
+        x = torch.randn(4, requires_grad=True)
+        Cast.apply(x).sum().backward()
+        with pytest.raises(PhaseError, match=r"autograd\.Function\.forward"):
+            delayed.step()
+        assert delayed.iteration == 0
+        # the same code with the phase explicit is fine
+        m2 = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        h = m2.register("fc", roles=(I, G))
+        with m2.forward():
+            y = Cast.apply(x)
+        y.sum().backward()
+        m2.step()
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class TestStepIsVectorized:
+    @pytest.mark.parametrize("backend", ["emulation", "scaled_mm"])
+    def test_fixed_op_count(self, recipe, backend):
+        """step() runs the same tensor ops for 2 slots as for 300."""
+        counts = []
+        for n in (2, 300):
+            m = ss.ScalingStateManager(recipe, backend=backend)
+            handles = [m.register(f"l{i}", roles=(I,)) for i in range(n)]
+            with m.forward():
+                for h in handles:
+                    h.quantize(torch.randn(8), I)
+            with _OpCounter() as counter:
+                m.step()
+            counts.append(counter.ops)
+        assert counts[0] == counts[1]
+        assert 0 < len(counts[0]) < 40
+
+
+def _region_mechanisms():
+    return {
+        "reentrant": functools.partial(tcp.checkpoint, use_reentrant=True),
+        "non_reentrant": functools.partial(tcp.checkpoint, use_reentrant=False),
+        "ss": ss.checkpoint,
+    }
+
+
+class TestRecomputeIsInvisible:
+    """Invariant 2."""
+
+    @pytest.mark.parametrize("mechanism", ["reentrant", "non_reentrant", "ss"])
+    def test_records_nothing_changes_nothing(self, manager, mechanism):
+        """A recompute that sees 100x larger data leaves forward amaxes, scales and counters alone."""
+        layer = ss.nn.Linear(16, 16, manager=manager, name="fc")
+        box = [1.0]
+
+        def region(x):
+            return layer(x * box[0])
+
+        x = torch.randn(4, 16, requires_grad=True)
+        with manager.forward():
+            y = _region_mechanisms()[mechanism](region, x)
+        before = manager.state_dict()
+        box[0] = 100.0
+        with manager.backward():
+            y.sum().backward()
+        after = manager.state_dict()
+        rows = {tuple(s): i for i, s in enumerate(after["slots"])}
+        for role in ("input", "weight"):
+            assert after["step_amax"][rows[("fc", role)]] == before["step_amax"][rows[("fc", role)]]
+        assert after["step_amax"][rows[("fc", "grad_output")]] > 0
+        assert torch.equal(after["scale"], before["scale"])
+        assert torch.equal(after["amax_history"], before["amax_history"])
+        assert after["iteration"] == before["iteration"] == manager.iteration == 0
+
+    def test_explicit_recompute_phase(self, manager):
+        """Casts in begin_recompute() / recompute() record nothing."""
+        h = manager.register("fc", roles=(I, W))
+        w = torch.randn(4, 4)
+        with manager.recompute():
+            h.quantize(torch.full((4,), 9.0), I)
+            h.quantize(w, W)
+        manager.begin_recompute()
+        h.quantize(torch.full((4,), 9.0), I)
+        assert manager.state_dict()["step_amax"].tolist() == [0.0, 0.0]
+
+
+class TestScalesChangeOnlyInStep:
+    """Invariant 3."""
+
+    def test_one_scale_per_step_once_history_exists(self, backend):
+        """After the first step every INPUT cast (microbatches, forward, recompute) uses one scale."""
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend=backend)
+        h = m.register("fc", roles=(I, G))
+        with m.forward():
+            h.quantize(torch.full((4,), 2.0), I)
+        with m.backward():
+            h.quantize(torch.full((4,), 0.5), G)
+        m.step()
+        want_i, want_g = 1 / h.scale(I), 1 / h.scale(G)
+        seen_i, seen_g = [], []
+        for v in (1.0, 30.0, 0.01):
+            with m.forward():
+                seen_i.append(h.quantize(torch.full((4,), v), I).scale_inv)
+            with m.recompute():
+                seen_i.append(h.quantize(torch.full((4,), v * 7), I).scale_inv)
+            with m.backward():
+                seen_g.append(h.quantize(torch.full((4,), v), G).scale_inv)
+            assert torch.equal(1 / h.scale(I), want_i)
+        assert all(torch.equal(s, want_i) for s in seen_i)
+        assert all(torch.equal(s, want_g) for s in seen_g)
+
+    def test_just_in_time_before_first_step(self, manager):
+        """Before any history (and always with current scaling) each tensor scales itself."""
+        h = manager.register("fc", roles=(I,))
+        with manager.forward():
+            qs = [h.quantize(torch.tensor([v, -v / 2]), I) for v in (1.0, 4.0)]
+        want = [(torch.tensor(448.0) / v).reciprocal() for v in (1.0, 4.0)]
+        assert all(torch.equal(q.scale_inv, w) for q, w in zip(qs, want, strict=False))
+        assert h.scale(I).item() == 1.0  # the state itself did not change
+
+    def test_state_after_step_independent_of_microbatch_order(self, manager):
+        """Permuting the microbatches of a step gives bitwise the same state."""
+        xs = [torch.randn(8, 16) * s for s in (1.0, 10.0, 0.1, 3.0)]
+        states = []
+        for order in ([0, 1, 2, 3], [3, 1, 0, 2]):
+            m = ss.ScalingStateManager(manager.recipe, backend=manager.backend.name)
+            torch.manual_seed(0)
+            layer = ss.nn.Linear(16, 16, manager=m, name="fc")
+            for step in range(3):
+                for i in order:
+                    with m.forward():
+                        loss = layer(xs[i] * (step + 1)).square().sum()
+                    with m.backward():
+                        loss.backward()
+                m.step()
+            states.append(m.state_dict())
+        for key in ("amax_history", "scale", "step_amax"):
+            assert torch.equal(states[0][key], states[1][key])
+
+
+class TestQuantizedCarriesScale:
+    """Invariant 4."""
+
+    def test_scale_inv_is_a_copy(self, manager):
+        """A cast made before step() dequantizes the same after scales changed."""
+        h = manager.register("fc", roles=(I,))
+        with manager.forward():
+            q = h.quantize(torch.tensor([1.0, -0.5]), I)
+            h.quantize(torch.tensor([1000.0]), I)
+        before_inv, before = q.scale_inv.clone(), q.dequantize()
+        manager.step()
+        with manager.forward():
+            h.quantize(torch.tensor([5.0]), I)
+        manager.step()
+        assert torch.equal(q.scale_inv, before_inv) and torch.equal(q.dequantize(), before)
+        assert q.scale_inv.data_ptr() != manager._state.scales.data_ptr()
+
+
+class TestWeightCastCache:
+    """Invariant 5."""
+
+    def _setup(self, manager):
+        layer = ss.nn.Linear(16, 8, manager=manager, name="fc")
+        return layer, _count_weight_casts(manager, layer.weight)
+
+    def test_once_per_step_across_microbatches_and_recompute(self, manager):
+        """4 checkpointed microbatches: one weight cast per step; a new one after the optimizer step."""
+        layer, count = self._setup(manager)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        for step in range(3):
+            for _ in range(4):
+                with manager.forward():
+                    y = tcp.checkpoint(layer, torch.randn(2, 16), use_reentrant=False)
+                with manager.backward():
+                    y.sum().backward()
+            assert count[0] == step + 1
+            opt.step()
+            manager.step()
+
+    def test_in_place_edit_between_microbatches(self, manager):
+        """An in-place weight change mid-step is seen: the next cast is fresh and correct."""
+        layer, count = self._setup(manager)
+        x = torch.randn(2, 16)
+        with manager.forward():
+            y1 = layer(x)
+        with torch.no_grad():
+            layer.weight.mul_(2)
+        with manager.forward():
+            y2 = layer(x)
+        assert count[0] == 2 and not torch.equal(y1, y2)
+
+    def test_module_load_state_dict(self, manager):
+        """Loading module weights invalidates the cast."""
+        layer, count = self._setup(manager)
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        layer.load_state_dict({k: v * 3 for k, v in layer.state_dict().items()})
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        assert count[0] == 2
+
+    def test_manager_load_state_dict(self, manager):
+        """Loading scaling state (new scales) invalidates the cast."""
+        layer, count = self._setup(manager)
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        manager.step()
+        sd = manager.state_dict()
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        manager.step()
+        manager.load_state_dict(sd)
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        assert count[0] == 3
+
+    def test_data_edits_need_invalidate(self, manager):
+        """Edits through .data bypass the version counter; invalidate_casts() covers them."""
+        layer, count = self._setup(manager)
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        layer.weight.data.mul_(2)
+        manager.invalidate_casts()
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        assert count[0] == 2
+
+    def test_hit_records_like_a_fresh_cast(self, manager):
+        """A weight cast made in evaluation still leaves the training step's weight amax complete."""
+        layer, count = self._setup(manager)
+        with torch.no_grad():
+            layer(torch.randn(2, 16))  # evaluation: records nothing
+        assert _row_amax(manager, "fc", W) == 0.0
+        with manager.forward():
+            layer(torch.randn(2, 16))  # cache hit in training
+        assert count[0] == 1
+        assert _row_amax(manager, "fc", W) == layer.weight.abs().max().item()
+
+    def test_new_tensor_at_same_address_is_not_a_hit(self, manager):
+        """A freed weight's address reused by a new tensor never hits the cache."""
+        h = manager.register("w", roles=(W,))
+        with manager.forward():
+            a = h.quantize(torch.full((64,), 1.0), W).dequantize()
+            b = h.quantize(torch.full((64,), 3.0), W).dequantize()
+        assert a[0].item() == 1.0 and b[0].item() == 3.0
+
+
+class TestMicrobatchesAndEvaluation:
+    """Invariant 6."""
+
+    def test_max_reduced(self, manager):
+        """The step amax is the max over microbatches, never the last one."""
+        h = manager.register("fc", roles=(I,))
+        for v in (2.0, 9.0, 3.0):
+            with manager.forward():
+                h.quantize(torch.tensor([v, -1.0]), I)
+        assert _row_amax(manager, "fc", I) == 9.0
+
+    def test_evaluation_records_nothing(self, manager):
+        """A no_grad pass with no phase uses the scales and leaves the state bitwise unchanged."""
+        layer = ss.nn.Linear(16, 8, manager=manager, name="fc")
+        with manager.forward():
+            layer(torch.randn(4, 16)).sum().backward()
+        manager.step()
+        before = manager.state_dict()
+        with torch.no_grad():
+            layer(torch.randn(4, 16) * 50)
+        with torch.inference_mode():
+            layer(torch.randn(4, 16) * 50)
+        after = manager.state_dict()
+        for key in ("amax_history", "scale", "step_amax"):
+            assert torch.equal(before[key], after[key])
+
+    def test_no_grad_inside_forward_phase_records(self, manager):
+        """Inside an explicit forward phase a no_grad pass is a training forward."""
+        h = manager.register("fc", roles=(I,))
+        with manager.forward(), torch.no_grad():
+            h.quantize(torch.tensor([4.0]), I)
+        assert _row_amax(manager, "fc", I) == 4.0
+
+
+class TestNoGlobalState:
+    """Invariant 8."""
+
+    def test_two_managers_never_interact(self, recipe, backend):
+        """Interleaved training with two managers equals training each alone, bitwise."""
+
+        def make():
+            m = ss.ScalingStateManager(recipe, backend=backend)
+            torch.manual_seed(0)
+            return m, ss.nn.Linear(8, 8, manager=m, name="fc")
+
+        def train_step(m, layer, x):
+            with m.forward():
+                loss = layer(x).square().sum()
+            with m.backward():
+                loss.backward()
+            m.step()
+
+        xs = [torch.randn(4, 8) * (i + 1) for i in range(3)]
+        alone_m, alone = make()
+        for x in xs:
+            train_step(alone_m, alone, x)
+        (m1, l1), (m2, l2) = make(), make()
+        for x in xs:
+            train_step(m1, l1, x)
+            with m2.forward():  # the other manager's phase is independent
+                l2(x * 1000).sum()
+            train_step(m2, l2, x)  # ... and its state differs from m1's
+        assert torch.equal(m1.state_dict()["amax_history"], alone_m.state_dict()["amax_history"])
+        assert torch.equal(l1.weight.grad, alone.weight.grad)
+        assert not torch.equal(m2.state_dict()["amax_history"], m1.state_dict()["amax_history"])
+
+
+class TestDevice:
+    def test_follows_first_cast_then_pins(self, delayed):
+        """The state moves to the first tensor's device; later another device is a clear error."""
+        h = delayed.register("fc", roles=(I,))
+        with delayed.forward():
+            h.quantize(torch.ones(2), I)
+        assert delayed.device == torch.device("cpu")
+        with pytest.raises(ScaleStateError, match=r"one manager per device|manager.to"):
+            h.quantize(torch.ones(2, device="meta"), I)
+
+    def test_to_keeps_values(self, delayed):
+        """to() moves the state with its values."""
+        h = delayed.register("fc", roles=(I,))
+        with delayed.forward():
+            h.quantize(torch.full((2,), 3.0), I)
+        delayed.step()
+        before = delayed.state_dict()
+        delayed.to("cpu")
+        after = delayed.state_dict()
+        assert torch.equal(before["amax_history"], after["amax_history"])

@@ -1,0 +1,133 @@
+"""scalestate.math: pure scale math against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from scalestate.math import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    amax_from_history,
+    pow2_floor,
+    roll_history,
+    scale_from_amax,
+    update_scales,
+)
+
+INF, NAN = float("inf"), float("nan")
+
+
+class TestRollHistory:
+    def test_appends_newest_last_and_drops_oldest(self):
+        """A usable amax is appended at the end; the oldest entry falls off."""
+        h = torch.tensor([[1.0, 2.0, 3.0]])
+        assert roll_history(h, torch.tensor([4.0])).tolist() == [[2.0, 3.0, 4.0]]
+
+    @pytest.mark.parametrize("bad", [0.0, INF, -INF, NAN, -1.0])
+    def test_unusable_amax_leaves_history(self, bad):
+        """Zero, negative or non-finite amaxes never enter a history."""
+        h = torch.tensor([[1.0, 2.0, 3.0]])
+        assert roll_history(h, torch.tensor([bad])).tolist() == [[1.0, 2.0, 3.0]]
+
+    def test_rows_are_independent(self):
+        """Each row rolls only on its own amax."""
+        h = torch.tensor([[1.0, 2.0], [5.0, 6.0]])
+        out = roll_history(h, torch.tensor([0.0, 7.0]))
+        assert out.tolist() == [[1.0, 2.0], [6.0, 7.0]]
+
+    def test_does_not_modify_input(self):
+        """Pure: the input history is unchanged."""
+        h = torch.tensor([[1.0, 2.0]])
+        roll_history(h, torch.tensor([3.0]))
+        assert h.tolist() == [[1.0, 2.0]]
+
+
+class TestAmaxFromHistory:
+    def test_max(self):
+        """'max' takes the largest entry."""
+        assert amax_from_history(torch.tensor([[3.0, 9.0, 2.0]]), "max").tolist() == [9.0]
+
+    def test_most_recent(self):
+        """'most_recent' takes the newest (last) entry."""
+        assert amax_from_history(torch.tensor([[3.0, 9.0, 2.0]]), "most_recent").tolist() == [2.0]
+
+
+class TestScaleFromAmax:
+    def test_e4m3(self):
+        """448 / 2 = 224."""
+        assert scale_from_amax(torch.tensor(2.0), 448.0).item() == 224.0
+
+    def test_e5m2(self):
+        """57344 / 8 = 7168."""
+        assert scale_from_amax(torch.tensor(8.0), 57344.0).item() == 7168.0
+
+    def test_margin(self):
+        """448 / 2 / 2**3 = 28."""
+        assert scale_from_amax(torch.tensor(2.0), 448.0, margin=3).item() == 28.0
+
+    def test_power_of_2_rounds_down(self):
+        """448 / 3 = 149.33 -> 128; 448 / 0.5 = 896 -> 512."""
+        out = scale_from_amax(torch.tensor([3.0, 0.5]), 448.0, power_of_2=True)
+        assert out.tolist() == [128.0, 512.0]
+
+    def test_power_of_2_keeps_exact_powers(self):
+        """A scale that is already a power of two stays: 448 / 1.75 = 256."""
+        assert scale_from_amax(torch.tensor(1.75), 448.0, power_of_2=True).item() == 256.0
+
+    @pytest.mark.parametrize("bad", [0.0, INF, -INF, NAN])
+    def test_unusable_amax_keeps_previous(self, bad):
+        """Zero or non-finite amax: the previous scale is kept."""
+        out = scale_from_amax(torch.tensor(bad), 448.0, previous=torch.tensor(3.5))
+        assert out.item() == 3.5
+
+    def test_overflow_becomes_float32_max(self):
+        """A tiny amax overflows the division: the scale is the float32 max, not inf."""
+        out = scale_from_amax(torch.tensor(1e-40), 448.0)
+        assert out.item() == FLOAT32_MAX
+        assert math.isfinite(out.item())
+
+    def test_overflow_with_power_of_2(self):
+        """Overflow then rounding: 2**127."""
+        assert scale_from_amax(torch.tensor(1e-40), 448.0, power_of_2=True).item() == 2.0**127
+
+    def test_never_zero(self):
+        """A huge amax with a large margin never yields a zero scale."""
+        out = scale_from_amax(torch.tensor(FLOAT32_MAX), 448.0, margin=64)
+        assert out.item() == FLOAT32_TINY
+
+    def test_tensor_fp8_max_broadcasts(self):
+        """Per-slot fp8_max: [448, 57344] / [2, 2]."""
+        out = scale_from_amax(torch.tensor([2.0, 2.0]), torch.tensor([448.0, 57344.0]))
+        assert out.tolist() == [224.0, 28672.0]
+
+
+class TestPow2Floor:
+    def test_values(self):
+        """Exact rounding down to powers of two."""
+        x = torch.tensor([1.0, 1.5, 3.0, 1023.0, 1024.0, 0.3])
+        assert pow2_floor(x).tolist() == [1.0, 1.0, 2.0, 512.0, 1024.0, 0.25]
+
+
+class TestUpdateScales:
+    def test_full_step(self):
+        """Roll, take max, derive; unrun slots keep history and scale."""
+        history = torch.tensor([[0.0, 4.0], [0.0, 0.0], [1.0, 2.0]])
+        scales = torch.tensor([112.0, 1.0, 224.0])
+        step_amax = torch.tensor([2.0, 0.0, NAN])
+        fp8_max = torch.tensor([448.0, 448.0, 57344.0])
+        h, s = update_scales(
+            history, scales, step_amax, fp8_max, amax_compute="max", margin=0, power_of_2=False
+        )
+        assert h.tolist() == [[4.0, 2.0], [0.0, 0.0], [1.0, 2.0]]
+        assert s.tolist() == [112.0, 1.0, 28672.0]
+
+    def test_most_recent(self):
+        """most_recent derives from the just-rolled amax."""
+        h, s = update_scales(
+            torch.tensor([[8.0, 8.0]]), torch.tensor([56.0]), torch.tensor([2.0]),
+            torch.tensor([448.0]), amax_compute="most_recent", margin=0, power_of_2=False,
+        )
+        assert h.tolist() == [[8.0, 2.0]] and s.tolist() == [224.0]

@@ -1,0 +1,201 @@
+"""scalestate.nn: the FP8 Linear and convert()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import scalestate as ss
+
+I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
+
+# Thresholds (signal-to-quantization-noise ratio vs fp32, random normal data):
+# E4M3 has 3 mantissa bits (~29 dB measured on a 256->128 layer), E5M2 2 bits,
+# and the gradients multiply an E5M2 operand by an E4M3 one (~24.5 dB measured).
+OUTPUT_SQNR_DB = 25.0
+GRAD_SQNR_DB = 20.0
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.float(), x.float()
+    return (10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean())).item()
+
+
+def _pair(manager, dtype=torch.float32, bias=True):
+    ref = torch.nn.Linear(256, 128, bias=bias).to(dtype)
+    fp8 = ss.nn.Linear(256, 128, bias=bias, manager=manager, name="fc", dtype=dtype)
+    fp8.load_state_dict(ref.state_dict())
+    return ref, fp8
+
+
+class TestNumerics:
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_sqnr_vs_fp32(self, manager, dtype):
+        """Output >= 25 dB, input and weight gradients >= 20 dB, over 3 steps."""
+        ref, fp8 = _pair(manager, dtype)
+        for _ in range(3):
+            x, g = torch.randn(4, 32, 256, dtype=dtype), torch.randn(4, 32, 128, dtype=dtype)
+            x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+            y_ref = ref(x1)
+            y_ref.backward(g)
+            with manager.forward():
+                y = fp8(x2)
+            with manager.backward():
+                y.backward(g)
+            assert y.dtype == dtype and x2.grad.dtype == dtype and fp8.weight.grad.dtype == dtype
+            assert sqnr(y_ref, y) >= OUTPUT_SQNR_DB
+            assert sqnr(x1.grad, x2.grad) >= GRAD_SQNR_DB
+            assert sqnr(ref.weight.grad, fp8.weight.grad) >= GRAD_SQNR_DB
+            assert sqnr(ref.bias.grad, fp8.bias.grad) >= 40.0
+            ref.zero_grad()
+            fp8.zero_grad()
+            manager.step()
+
+    def test_backends_agree(self, recipe):
+        """emulation and scaled_mm give the same outputs and grads (1e-5 relative)."""
+        results = []
+        for backend in ("emulation", "scaled_mm"):
+            m = ss.ScalingStateManager(recipe, backend=backend)
+            torch.manual_seed(0)
+            layer = ss.nn.Linear(64, 32, manager=m, name="fc")
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            with m.forward():
+                y = layer(x)
+            with m.backward():
+                y.square().sum().backward()
+            results.append((y.detach(), x.grad, layer.weight.grad))
+        for a, b in zip(*results, strict=False):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+
+
+class TestLinear:
+    def test_leading_dims(self, delayed):
+        """Any number of leading batch dimensions."""
+        layer = ss.nn.Linear(8, 4, manager=delayed)
+        for shape in [(8,), (3, 8), (2, 3, 8), (2, 1, 3, 8)]:
+            x = torch.randn(shape, requires_grad=True)
+            y = layer(x)
+            y.sum().backward()
+            assert y.shape == (*shape[:-1], 4) and x.grad.shape == shape
+
+    def test_feature_mismatch(self, delayed):
+        """A wrong last dimension names both sizes."""
+        layer = ss.nn.Linear(8, 4, manager=delayed)
+        with pytest.raises(ValueError, match=r"9 features.*expects 8"):
+            layer(torch.randn(2, 9))
+
+    def test_no_bias(self, delayed):
+        """bias=False works and has no bias parameter."""
+        layer = ss.nn.Linear(8, 4, bias=False, manager=delayed)
+        assert layer.bias is None
+        layer(torch.randn(2, 8)).sum().backward()
+        assert layer.weight.grad is not None
+
+    def test_handle_and_names(self, delayed):
+        """Each layer registers INPUT, WEIGHT and GRAD_OUTPUT under a unique name."""
+        a = ss.nn.Linear(8, 4, manager=delayed)
+        b = ss.nn.Linear(8, 4, manager=delayed)
+        c = ss.nn.Linear(8, 4, manager=delayed, name="head")
+        assert (a.handle.name, b.handle.name, c.handle.name) == ("linear", "linear_1", "head")
+        assert a.handle.roles == (I, W, G)
+        assert "slot='head'" in repr(c)
+
+    def test_manager_required(self):
+        """The manager must be a ScalingStateManager."""
+        with pytest.raises(TypeError, match="ScalingStateManager"):
+            ss.nn.Linear(8, 4, manager=None)  # type: ignore[arg-type]
+
+    def test_state_dict_keys_match_torch(self, delayed):
+        """Checkpoints of torch.nn.Linear load into ss.nn.Linear and back."""
+        ref = torch.nn.Linear(8, 4)
+        layer = ss.nn.Linear(8, 4, manager=delayed)
+        layer.load_state_dict(ref.state_dict())
+        assert layer.state_dict().keys() == ref.state_dict().keys()
+
+    def test_saves_only_fp8_activations(self, delayed):
+        """The input is saved for backward in FP8; no high-precision activation is kept."""
+        layer = ss.nn.Linear(64, 64, manager=delayed)
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        x = torch.randn(16, 64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(x)
+        big = [t for t in saved if t.numel() > 1]
+        assert big and all(t.dtype == torch.float8_e4m3fn for t in big)
+        y.sum().backward()
+
+    def test_backward_products_run_in_fp8(self, delayed):
+        """Both backward products get FP8 operands (E5M2 gradient, E4M3 weight/input)."""
+        seen = []
+        real = delayed.backend.scaled_mm
+
+        def spy(a, b, **kw):
+            seen.append((a.dtype, b.dtype))
+            return real(a, b, **kw)
+
+        delayed.backend.scaled_mm = spy  # type: ignore[method-assign]
+        layer = ss.nn.Linear(16, 8, manager=delayed)
+        layer(torch.randn(4, 16, requires_grad=True)).sum().backward()
+        e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+        assert seen == [(e4, e4), (e5, e4), (e5, e4)]
+
+    def test_grad_output_recorded(self, delayed):
+        """The backward cast feeds the GRAD_OUTPUT slot."""
+        layer = ss.nn.Linear(8, 4, manager=delayed, name="fc")
+        layer(torch.randn(2, 8)).mul(3.0).sum().backward()
+        delayed.step()
+        assert layer.handle.amax_history(G)[-1].item() == 3.0
+
+
+class TestConvert:
+    def _model(self):
+        return torch.nn.Sequential(
+            torch.nn.Linear(8, 16),
+            torch.nn.ReLU(),
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)),
+        )
+
+    def test_swaps_and_keeps_parameters(self, delayed):
+        """Every Linear is swapped, keeping the very parameter objects and the outputs' meaning."""
+        model = self._model()
+        params = list(model.parameters())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ss.nn.convert(model, delayed)
+        assert isinstance(model[0], ss.nn.Linear) and isinstance(model[2][1], ss.nn.Linear)
+        assert all(a is b for a, b in zip(params, model.parameters(), strict=False))
+        assert list(delayed.handles) == ["0", "2.0", "2.1"]
+        before = model[0].weight.clone()
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()  # the optimizer built before the conversion still updates the weights
+        assert not torch.equal(before, model[0].weight)
+
+    def test_filter_fn(self, delayed):
+        """filter_fn(path, module) chooses which layers convert."""
+        model = ss.nn.convert(self._model(), delayed, filter_fn=lambda path, mod: mod.out_features != 4)
+        assert type(model[2][1]) is torch.nn.Linear and list(delayed.handles) == ["0", "2.0"]
+
+    def test_leaves_subclasses_and_converted(self, delayed):
+        """Subclasses of torch.nn.Linear and already-converted layers are left alone."""
+
+        class Custom(torch.nn.Linear):
+            pass
+
+        model = torch.nn.Sequential(Custom(4, 4), ss.nn.Linear(4, 4, manager=delayed, name="done"))
+        ss.nn.convert(model, delayed)
+        assert type(model[0]) is Custom and list(delayed.handles) == ["done"]
+
+    def test_bare_linear(self, delayed):
+        """Converting a Linear itself returns the FP8 layer."""
+        layer = torch.nn.Linear(4, 4, bias=False)
+        out = ss.nn.convert(layer, delayed)
+        assert isinstance(out, ss.nn.Linear) and out.weight is layer.weight and out.bias is None
+
+    def test_keeps_training_flag(self, delayed):
+        """An eval-mode layer stays in eval mode."""
+        model = self._model().eval()
+        ss.nn.convert(model, delayed)
+        assert not model[0].training

@@ -1,0 +1,41 @@
+"""Packaging: backends install as scalestate.backends, never as a top-level package."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import scalestate
+
+
+def _run(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+class TestLayout:
+    def test_no_top_level_backends(self, tmp_path):
+        """'import backends' fails outside the source tree."""
+        result = _run("import backends", tmp_path)
+        assert result.returncode != 0 and "No module named 'backends'" in result.stderr
+
+    def test_backends_subpackage(self, tmp_path):
+        """scalestate.backends imports and comes from a 'backends' folder."""
+        result = _run("import scalestate.backends as b, pathlib; print(pathlib.Path(b.__file__).parent.name)", tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == "backends"
+
+    def test_import_loads_no_backend(self, tmp_path):
+        """Importing scalestate imports no backend module."""
+        result = _run(
+            "import sys, scalestate; print(sorted(m for m in sys.modules if m.startswith('scalestate.backends.')))",
+            tmp_path,
+        )
+        assert result.stdout.strip() == "['scalestate.backends.base']", result.stderr
+
+    def test_py_typed(self):
+        """The package ships its type information marker."""
+        assert (Path(scalestate.__file__).parent / "py.typed").exists()
