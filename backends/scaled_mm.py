@@ -61,16 +61,18 @@ class ScaledMMBackend(EmulationBackend):
         if a_data.is_cuda:
             a_data, b_data = _cuda_layout(a_data, b_data)
             fuse_bias = fuse_bias and out_dtype != torch.float32
+        late_bias = None if fuse_bias else bias
         out = torch._scaled_mm(
             a_data,
             b_data,
             scale_a=a.scale_inv,
             scale_b=b.scale_inv,
             bias=bias if fuse_bias else None,
-            out_dtype=out_dtype,
+            # a bias added afterwards is added in float32, then rounded once
+            out_dtype=out_dtype if late_bias is None else torch.float32,
         )
-        if bias is not None and not fuse_bias:
-            out = (out.float() + bias.float()).to(out_dtype)
+        if late_bias is not None:
+            out = (out + late_bias.float()).to(out_dtype)
         return out
 
 

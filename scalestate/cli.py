@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    demo.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
+    demo.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
     demo.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
     demo.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch")
     demo.add_argument("--seq-len", type=int, default=64, help="tokens (bytes) per sequence")

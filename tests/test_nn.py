@@ -143,6 +143,22 @@ class TestLinear:
         e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
         assert seen == [(e4, e4), (e5, e4), (e5, e4)]
 
+    def test_autocast(self, backend):
+        """Under bf16 autocast the output is bf16 and equals the fp32-output product rounded to bf16."""
+        outs = []
+        for autocast in (False, True):
+            m = ss.ScalingStateManager(ss.DelayedScaling(), backend=backend)
+            torch.manual_seed(0)
+            layer = ss.nn.Linear(32, 16, manager=m, name="fc")
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = layer(x)
+            y.float().sum().backward()
+            assert x.grad.dtype == torch.float32
+            outs.append(y)
+        assert outs[1].dtype == torch.bfloat16
+        assert torch.equal(outs[1], outs[0].to(torch.bfloat16))
+
     def test_grad_output_recorded(self, delayed):
         """The backward cast feeds the GRAD_OUTPUT slot."""
         layer = ss.nn.Linear(8, 4, manager=delayed, name="fc")

@@ -32,10 +32,12 @@ class _FP8Linear(torch.autograd.Function):
         w_data: Tensor,
         w_scale_inv: Tensor,
         handle: ScalingHandle,
+        out_dtype: torch.dtype,
     ) -> Tensor:
         backend = handle.manager.backend
         qx, qw = Quantized(x_data, x_scale_inv), Quantized(w_data, w_scale_inv)
-        out = backend.scaled_mm(qx, qw.t(), out_dtype=x.dtype, bias=bias)
+        with torch.autocast(x.device.type, enabled=False):
+            out = backend.scaled_mm(qx, qw.t(), out_dtype=out_dtype, bias=bias)
         ctx.save_for_backward(x_data, x_scale_inv, w_data, w_scale_inv)
         ctx.handle = handle
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -49,35 +51,40 @@ class _FP8Linear(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
-        if need_x or need_w:
-            qg = handle.quantize(grad_out, Role.GRAD_OUTPUT)
-            if need_x:
-                grad_x = backend.scaled_mm(qg, Quantized(w_data, w_scale_inv), out_dtype=x_dtype)
-            if need_w:
-                grad_w = backend.scaled_mm(qg.t(), Quantized(x_data, x_scale_inv), out_dtype=w_dtype)
-        if need_b:
-            grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            if need_x or need_w:
+                qg = handle.quantize(grad_out, Role.GRAD_OUTPUT)
+                if need_x:
+                    grad_x = backend.scaled_mm(qg, Quantized(w_data, w_scale_inv), out_dtype=x_dtype)
+                if need_w:
+                    grad_w = backend.scaled_mm(qg.t(), Quantized(x_data, x_scale_inv), out_dtype=w_dtype)
+            if need_b:
+                grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle) -> Tensor:
     """``torch.nn.functional.linear`` in FP8 through ``handle``'s slots.
 
     ``handle`` needs the roles INPUT, WEIGHT and GRAD_OUTPUT. ``x`` may have
-    any number of leading dimensions.
+    any number of leading dimensions. The output has ``x``'s dtype, or the
+    autocast dtype where autocast is on (the FP8 products ignore autocast:
+    their operands are FP8 and they accumulate in float32).
     """
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"slot {handle.name!r}: input has {x.shape[-1]} features in its last dimension, "
             f"the weight expects {weight.shape[1]}"
         )
+    device_type = x.device.type
+    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     qx = handle.quantize(x2, Role.INPUT)
     qw = handle.quantize(weight, Role.WEIGHT)
     # torch types Function.apply as untyped; its result here is the forward's Tensor
     out: Tensor = _FP8Linear.apply(  # type: ignore[no-untyped-call]
-        x2, weight, bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv, handle
+        x2, weight, bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv, handle, out_dtype
     )
     return out.reshape(*lead, weight.shape[0])
 
