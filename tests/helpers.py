@@ -163,6 +163,7 @@ def train(
     uncached: bool = False,
     order: list[int] | None = None,
     lr: float = 0.05,
+    device: str = "cpu",
 ) -> Record:
     """Train from a fixed seed and record outputs, grads, params and scaling state per step.
 
@@ -174,11 +175,12 @@ def train(
     ``uncached``: drop cached weight casts before every forward.
     ``order``: the order in which each step's microbatches run.
     ``lr``: AdamW learning rate (0 keeps the weights fixed).
+    ``device``: where the model and data live.
     """
     torch.manual_seed(0)
     manager = ss.ScalingStateManager(recipe, backend=backend, **(manager_kwargs or {}))
     rec = Record(manager=manager)
-    model = Model(manager, kind=kind, mechanism=mechanism, granularity=granularity).to(dtype)
+    model = Model(manager, kind=kind, mechanism=mechanism, granularity=granularity).to(device, dtype)
     rec.model = model
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
@@ -202,7 +204,7 @@ def train(
     for step_inputs in data(steps, microbatches, kind=kind):
         if order is not None:
             step_inputs = [step_inputs[i] for i in order]
-        xs = [x.to(dtype).requires_grad_() for x in step_inputs]
+        xs = [x.to(device, dtype).requires_grad_() for x in step_inputs]
         if schedule == "plain":
             for x in xs:
                 y, loss = fwd(x)
@@ -239,7 +241,7 @@ def train(
         manager.step()
         if evaluate:
             with torch.no_grad():
-                model(step_inputs[0].to(dtype) * 50)
+                model(step_inputs[0].to(device, dtype) * 50)
         sd = manager.state_dict()
         rec.params.append({k: p.detach().clone() for k, p in model.named_parameters()})
         rec.histories.append(sd["amax_history"])
