@@ -422,6 +422,20 @@ class TestWeightCastCache:
         assert count[0] == 1
         assert _row_amax(manager, "fc", W) == layer.weight.abs().max().item()
 
+    def test_entry_key(self, manager):
+        """A cached cast matches only the same tensor, unmodified, in the same scale epoch."""
+        h = manager.register("w", roles=(W,))
+        w = torch.randn(8, 8)
+        with manager.forward():
+            h.quantize(w, W)
+        entry = manager._state.weight_casts[0]
+        epoch = manager._state.epoch
+        assert entry.matches(w, epoch)
+        assert not entry.matches(w, epoch + 1)
+        assert not entry.matches(w.clone(), epoch)
+        w.add_(1.0)
+        assert not entry.matches(w, epoch)
+
     def test_new_tensor_at_same_address_is_not_a_hit(self, manager):
         """A freed weight's address reused by a new tensor never hits the cache."""
         h = manager.register("w", roles=(W,))

@@ -54,3 +54,21 @@ class TestDetection:
         tcp.checkpoint(fn, x, use_reentrant=False).sum().backward()
         assert seen == [True, False, False, False]
         assert not phase.in_reentrant_checkpoint_forward()
+
+
+class TestSSCheckpointMarks:
+    def test_marks_forward_and_recompute(self):
+        """ss.checkpoint marks its recompute (both modes) and the reentrant forward, independently of autograd."""
+        import scalestate as ss
+
+        for reentrant in (False, True):
+            seen = []
+
+            def fn(x, seen=seen):
+                seen.append((phase.in_marked_training_forward(), phase.in_marked_recompute()))
+                return x.sin()
+
+            x = torch.ones(2, requires_grad=True)
+            ss.checkpoint(fn, x, use_reentrant=reentrant).sum().backward()
+            assert seen == [(reentrant, False), (False, True)]
+        assert not phase.in_marked_recompute() and not phase.in_marked_training_forward()
