@@ -13,7 +13,6 @@ from typing import Any
 
 import attrs
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -22,30 +21,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 import scalestate as ss
+from scalestate.demo.model import Block
 
 DIM = 32
-
-
-class Block(nn.Module):
-    """Transformer block: causal attention and GELU MLP of ss.nn.Linear, layer norms, residuals."""
-
-    def __init__(self, manager: ss.ScalingStateManager, prefix: str, heads: int = 2) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(DIM)
-        self.qkv = ss.nn.Linear(DIM, 3 * DIM, manager=manager, name=f"{prefix}.qkv")
-        self.proj = ss.nn.Linear(DIM, DIM, manager=manager, name=f"{prefix}.proj")
-        self.ln2 = nn.LayerNorm(DIM)
-        self.fc1 = ss.nn.Linear(DIM, 2 * DIM, manager=manager, name=f"{prefix}.fc1")
-        self.fc2 = ss.nn.Linear(2 * DIM, DIM, manager=manager, name=f"{prefix}.fc2")
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 def checkpointer(mechanism: str, manager: ss.ScalingStateManager | None = None) -> Callable[[nn.Module], nn.Module]:
@@ -108,8 +86,9 @@ class Model(nn.Module):
         super().__init__()
         if kind == "linear":
             layers: list[nn.Module] = [ss.nn.Linear(DIM, DIM, manager=manager, name="fc")]
-        else:
-            layers = [Block(manager, f"blocks.{i}") for i in range(n_blocks)]
+        else:  # the demo's transformer block: attention and MLP of ss.nn.Linear, layer norms, residuals
+            blocks = ss.nn.convert(nn.Sequential(*(Block(DIM, n_heads=2) for _ in range(n_blocks))), manager)
+            layers = list(blocks)
         wrap = checkpointer(mechanism, manager)
         if granularity in ("block", "nested"):
             layers = [wrap(layer) for layer in layers]
