@@ -42,6 +42,7 @@ __all__ = [
     "get_backend",
     "register_backend",
     "resolve_backend",
+    "validate_backend",
 ]
 
 ENTRY_POINT_GROUP = "scalestate.backends"
@@ -97,6 +98,9 @@ def register_backend(name: str, factory: BackendFactory, *, replace: bool = Fals
 def _load_entry_points() -> None:
     """Register every entry point of the group whose name is not registered yet."""
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if not _NAME.match(ep.name) or ep.name == "auto":
+            _log.warning("scalestate: ignoring backend entry point %r (%s): invalid name", ep.name, ep.value)
+            continue
         _registry.setdefault(ep.name, ep.value)
 
 
@@ -121,14 +125,22 @@ def get_backend(name: str) -> Backend:
         )
     target = _registry[name]
     factory = _import(target) if isinstance(target, str) else target
-    backend = factory()
+    return validate_backend(factory(), name)
+
+
+def validate_backend(backend: object, registered_as: str | None = None) -> Backend:
+    """``backend`` if it has every member of :class:`Backend`, else a :class:`ScaleStateError`."""
+    label = f"backend {registered_as!r} ({type(backend).__qualname__})" if registered_as else (
+        f"backend {type(backend).__qualname__}"
+    )
     for member in ("available", "quantize", "scaled_mm", "update"):
         if not callable(getattr(backend, member, None)):
             raise ScaleStateError(
-                f"backend {name!r} ({type(backend).__qualname__}) has no method {member}(); "
-                "see scalestate.backends.Backend for the interface"
+                f"{label} has no method {member}(); see scalestate.backends.Backend for the interface"
             )
-    return backend
+    if not isinstance(getattr(backend, "name", None), str):
+        raise ScaleStateError(f"{label} has no string attribute 'name'")
+    return backend  # type: ignore[return-value]  # checked member by member above
 
 
 def _import(target: str) -> BackendFactory:
@@ -182,8 +194,12 @@ def resolve_backend(name: str, device: torch.device | None = None) -> Backend:
         if candidate not in _registry:
             reasons.append(f"{candidate}: not registered")
             continue
-        backend = get_backend(candidate)
-        ok, reason = backend.available(device)
+        try:  # a broken optional backend must not hide the ones after it
+            backend = get_backend(candidate)
+            ok, reason = backend.available(device)
+        except Exception as exc:
+            reasons.append(f"{candidate}: failed to load: {type(exc).__name__}: {exc}")
+            continue
         if ok:
             _log.info("scalestate: backend='auto' chose %r on %s (%s)", candidate, device, reason)
             return backend

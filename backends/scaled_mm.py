@@ -3,8 +3,11 @@
 Casts and the step update are the emulation backend's (pure torch, already
 exact); only the matrix product changes. On CUDA, ``torch._scaled_mm`` needs an
 sm89+ GPU (Ada, Hopper, Blackwell), a row-major first operand, a column-major
-second one (made here when needed), inner and output dimensions divisible by
-16, and at most one E5M2 operand. On CPU, torch 2.13 runs it without those limits.
+second one, inner and output dimensions divisible by 16, and at most one E5M2
+operand. The layouts are made here when needed, and odd dimensions are padded
+with zeros (which adds nothing to any product) and cut off again, so any shape
+works; only two E5M2 operands cannot. On CPU, torch 2.13 runs it without
+those limits.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class ScaledMMBackend(EmulationBackend):
     name = "scaled_mm"
 
     def __init__(self) -> None:
+        super().__init__()
         self._cpu_probe: tuple[bool, str] | None = None
 
     def available(self, device: torch.device | None = None) -> tuple[bool, str]:
@@ -57,10 +61,11 @@ class ScaledMMBackend(EmulationBackend):
     ) -> Tensor:
         """``torch._scaled_mm(a, b)`` with per-tensor scales; see the module docs for limits."""
         a_data, b_data = a.data, b.data
+        n = b_data.shape[1]
         fuse_bias = bias is not None and bias.dtype == out_dtype
         if a_data.is_cuda:
             a_data, b_data = _cuda_layout(a_data, b_data)
-            fuse_bias = fuse_bias and out_dtype != torch.float32
+            fuse_bias = fuse_bias and out_dtype != torch.float32 and b_data.shape[1] == n
         late_bias = None if fuse_bias else bias
         out = torch._scaled_mm(
             a_data,
@@ -71,25 +76,27 @@ class ScaledMMBackend(EmulationBackend):
             # a bias added afterwards is added in float32, then rounded once
             out_dtype=out_dtype if late_bias is None else torch.float32,
         )
+        if out.shape[1] != n:  # cut off the padded columns
+            out = out[:, :n]
         if late_bias is not None:
             out = (out + late_bias.float()).to(out_dtype)
         return out
 
 
 def _cuda_layout(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """Meet cuBLASLt's FP8 rules: row-major ``a``, column-major ``b``, dims % 16, not both E5M2."""
+    """Meet cuBLASLt's FP8 rules: row-major ``a``, column-major ``b``, inner and output
+    dimensions multiples of 16 (zero-padded), not both E5M2."""
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
         raise BackendUnavailableError(
             "torch._scaled_mm on CUDA cannot multiply two E5M2 operands; "
             "use Format.HYBRID or Format.E4M3, or backend='emulation'"
         )
     k, n = b.shape
-    if k % 16 or n % 16:
-        raise BackendUnavailableError(
-            f"torch._scaled_mm on CUDA needs the inner and output dimensions to be "
-            f"multiples of 16; got a {tuple(a.shape)} @ b {tuple(b.shape)}. "
-            "Pad the layer, leave it out of ss.nn.convert (filter_fn), or use backend='emulation'"
-        )
+    pad_k, pad_n = -k % 16, -n % 16
+    if pad_k:
+        a = _pad(a, cols=pad_k)
+    if pad_k or pad_n:
+        b = _pad(b.t(), rows=pad_n, cols=pad_k).t()
     if not a.is_contiguous():
         a = a.contiguous()
     if not b.t().is_contiguous():
@@ -97,8 +104,25 @@ def _cuda_layout(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return a, b
 
 
+def _pad(x: Tensor, *, rows: int = 0, cols: int = 0) -> Tensor:
+    """Append zero rows and columns to a 2-d FP8 tensor (through its bytes: FP8 +0 is all zero bits)."""
+    padded = torch.nn.functional.pad(x.view(torch.uint8), (0, cols, 0, rows))
+    return padded.view(x.dtype)
+
+
 def _probe_cpu() -> tuple[bool, str]:
-    """Run a 1x1 product once: older torch builds have no CPU kernel for it."""
+    """Whether this torch has a CPU kernel for ``torch._scaled_mm`` (older builds do not).
+
+    Asked of the dispatcher, not by running a product: availability may be
+    checked during a first cast inside a checkpointed region, where an extra
+    operation would be recorded (selective checkpointing caches products by
+    order). Torch builds without that query run a 1x1 product instead.
+    """
+    has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+    if has_kernel is not None:
+        if has_kernel("aten::_scaled_mm", "CPU"):
+            return True, f"torch._scaled_mm on CPU (torch {torch.__version__})"
+        return False, f"torch {torch.__version__} has no CPU kernel for torch._scaled_mm"
     one = torch.ones((), dtype=torch.float32)
     x = torch.ones(1, 1, dtype=torch.float8_e4m3fn)
     try:

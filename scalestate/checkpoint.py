@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
+import torch
 import torch.utils.checkpoint
 
 from scalestate.phase import recompute_region, training_forward_region
@@ -51,11 +52,17 @@ def checkpoint(
         if context_fn is not None:
             raise ValueError("context_fn is only supported with use_reentrant=False (as in torch)")
         calls = 0
+        training = torch.is_grad_enabled()  # torch runs the first call under no_grad either way
 
         def marked(*a: Any, **k: Any) -> Any:
             nonlocal calls
             calls += 1
-            mark = training_forward_region() if calls == 1 else recompute_region()
+            if calls > 1:
+                mark = recompute_region()
+            elif training:
+                mark = training_forward_region()
+            else:
+                mark = contextlib.nullcontext()
             with mark:
                 return fn(*a, **k)
 

@@ -13,8 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from scalestate.backends import Backend, CastSpec, resolve_backend
-from scalestate.errors import PhaseError, RecomputeMismatchError, ScaleStateError, SlotError
+from scalestate.backends import Backend, CastSpec, get_backend, resolve_backend, validate_backend
+from scalestate.errors import (
+    BackendUnavailableError,
+    PhaseError,
+    RecomputeMismatchError,
+    ScaleStateError,
+    SlotError,
+)
 from scalestate.handle import ScalingHandle
 from scalestate.persist import to_state_dict, validate
 from scalestate.phase import (
@@ -32,7 +38,6 @@ from scalestate.state import CachedCast, Slot, State
 __all__ = ["ScalingStateManager"]
 
 _log = logging.getLogger("scalestate")
-_ALL_ROLES = (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT)
 
 
 class ScalingStateManager:
@@ -46,14 +51,18 @@ class ScalingStateManager:
     Args:
         recipe: :class:`DelayedScaling` or :class:`CurrentScaling`.
         backend: a registered backend name (``"emulation"``, ``"scaled_mm"``,
-            ...) or ``"auto"`` for the best one available on ``device``.
+            ...), ``"auto"`` for the best one available on the state's device,
+            or a backend object. An unknown name fails at once; availability
+            (and the choice of ``"auto"``) is settled for ``device`` if given,
+            else at the first cast, on that tensor's device.
         device: where the state lives; by default the device of the first
             tensor cast.
         debug: check that every recompute reproduces the amaxes of its forward
             (raises :class:`~scalestate.errors.RecomputeMismatchError`).
 
     .. warning:: ``debug=True`` reads amaxes back to the host on every
-       recomputed cast, a device sync. Leave it off for speed.
+       recorded forward cast and every recomputed one, a device sync each.
+       Leave it off for speed.
 
     Example:
         >>> import torch, scalestate as ss
@@ -86,15 +95,23 @@ class ScalingStateManager:
             raise ScaleStateError(
                 f"recipe must be ss.DelayedScaling(...) or ss.CurrentScaling(...); got {recipe!r}"
             )
-        dev = torch.device(device) if device is not None else None
-        if isinstance(backend, str):
-            self._backend = resolve_backend(backend, dev)
-        else:
+        dev = _canonical(torch.device(device)) if device is not None else None
+        # A name is looked up now (an unknown one fails at once); whether the backend
+        # can run, and which one "auto" means, is decided for the state's device:
+        # now if `device` was given, else at the first cast.
+        self._backend_name = backend if isinstance(backend, str) else validate_backend(backend).name
+        self._backend: Backend | None = None
+        if not isinstance(backend, str):
             self._backend = backend
+        elif backend != "auto":
+            self._backend = get_backend(backend)
+        self._backend_checked = False
         self._recipe: Recipe = recipe
         self._debug = bool(debug)
         self._state = State(device=dev or torch.device("cpu"), history_len=recipe.history_len)
         self._state.pinned = dev is not None
+        if dev is not None:
+            self._checked_backend()
 
     # ----------------------------------------------------------------- info
     @property
@@ -104,7 +121,23 @@ class ScalingStateManager:
 
     @property
     def backend(self) -> Backend:
-        """The backend instance doing casts, products and updates."""
+        """The backend instance doing casts, products and updates, checked for the state's device."""
+        return self._checked_backend()
+
+    def _checked_backend(self) -> Backend:
+        if self._backend_checked and self._backend is not None:
+            return self._backend
+        device = self._state.device
+        if self._backend is None:
+            self._backend = resolve_backend("auto", device)
+        else:
+            ok, reason = self._backend.available(device)
+            if not ok:
+                raise BackendUnavailableError(
+                    f"backend {self._backend_name!r} cannot run on {device}: {reason}. "
+                    "Use backend='auto' or backend='emulation'"
+                )
+        self._backend_checked = True
         return self._backend
 
     @property
@@ -134,14 +167,15 @@ class ScalingStateManager:
 
     def __repr__(self) -> str:
         st = self._state
+        backend = self._backend.name if self._backend_checked and self._backend else self._backend_name
         return (
             f"<ScalingStateManager(recipe={type(self._recipe).__name__}, "
-            f"backend={self._backend.name!r}, phase={st.phase.name}, "
+            f"backend={backend!r}, phase={st.phase.name}, "
             f"slots={len(st.slots)}, step={st.iteration})>"
         )
 
     # --------------------------------------------------------- registration
-    def register(self, name: str, roles: Iterable[Role] = _ALL_ROLES) -> ScalingHandle:
+    def register(self, name: str, roles: Iterable[Role] = tuple(Role)) -> ScalingHandle:
         """Register what a module casts: one slot per role, under a unique name.
 
         Args:
@@ -168,7 +202,7 @@ class ScalingStateManager:
             )
         slots = [Slot(name, role, self._spec(role)) for role in roles]
         rows = st.add_rows(slots)
-        handle = ScalingHandle(self, name, dict(zip(roles, rows, strict=False)))
+        handle = ScalingHandle(self, name, dict(zip(roles, rows, strict=True)))
         st.handles[name] = handle
         return handle
 
@@ -264,7 +298,7 @@ class ScalingStateManager:
             )
         self._check_forward_recorded()
         r = self._recipe
-        self._backend.update(
+        self.backend.update(
             st.history, st.scales, st.step_amax, st.fp8_max,
             amax_compute=r.amax_compute, margin=r.margin, power_of_2=r.power_of_2,
         )
@@ -318,7 +352,7 @@ class ScalingStateManager:
         if role is Role.WEIGHT:
             q, amax = self._weight_cast(row, x)
         else:
-            q, amax = self._backend.quantize(x.detach(), st.scales[row], st.slots[row].spec, self._jit(row))
+            q, amax = self.backend.quantize(x.detach(), st.scales[row], st.slots[row].spec, self._jit(row))
         if kind is CastKind.RECORD:
             acc = st.step_amax[row]
             torch.maximum(acc, amax, out=acc)
@@ -345,7 +379,9 @@ class ScalingStateManager:
         entry = st.weight_casts.get(row)
         if entry is not None and entry.matches(x, st.epoch):
             return entry.quantized, entry.amax
-        q, amax = self._backend.quantize(x.detach(), st.scales[row], st.slots[row].spec, self._jit(row))
+        q, amax = self.backend.quantize(x.detach(), st.scales[row], st.slots[row].spec, self._jit(row))
+        if torch.is_inference_mode_enabled():  # inference tensors cannot serve a later training pass
+            return q, amax
         try:
             version = x._version
         except RuntimeError:  # inference tensors track no version: never cache them
@@ -377,13 +413,24 @@ class ScalingStateManager:
                 f"manager.to({str(device)!r}) between steps"
             )
         st.to(device)
+        self._backend_checked = False  # check again (or choose, for "auto") for the new device
+        if self._backend_name == "auto":
+            self._backend = None
 
     def to(self, device: torch.device | str) -> ScalingStateManager:
-        """Move the state to ``device`` (values kept). Call between steps."""
+        """Move the state to ``device``, every value kept (a step's pending amaxes too).
+
+        Not inside a phase block. The backend is checked (or, for ``"auto"``,
+        chosen again) for the new device.
+        """
         if self._state.blocks:
             raise PhaseError("to() called inside a phase block; move the state between steps")
-        self._state.to(torch.device(device))
+        self._state.to(_canonical(torch.device(device)))
         self._state.pinned = True
+        self._backend_checked = False
+        if self._backend_name == "auto":
+            self._backend = None
+        self._checked_backend()
         return self
 
     def invalidate_casts(self) -> None:
@@ -408,7 +455,12 @@ class ScalingStateManager:
             StateDictError: missing keys, another recipe, other slots, bad shapes or values.
         """
         st = self._state
-        if st.blocks or st.forward_recorded or st.backward_recorded:
+        if st.blocks:
+            raise PhaseError(
+                f"load_state_dict() called inside `with manager.{st.blocks[-1][0].value}()`; "
+                "load between steps: after step() and before the next forward"
+            )
+        if st.forward_recorded or st.backward_recorded:
             raise PhaseError(
                 "load_state_dict() called in the middle of a step (casts were recorded since the "
                 "last step()); load between steps: after step() and before the next forward"
@@ -422,3 +474,13 @@ class ScalingStateManager:
         st.refresh_history_rows()
         st.weight_casts.clear()
         st.forward_amaxes.clear()
+
+
+def _canonical(device: torch.device) -> torch.device:
+    """The device as tensors report it: ``cuda`` is the current GPU's index, ``cpu:0`` is ``cpu``."""
+    index: int | None = device.index  # torch's stubs say int; it is None when not given
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda" and index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

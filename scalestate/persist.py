@@ -142,8 +142,15 @@ def _row_order(saved: object, state: State) -> list[int]:
     return [position[k] for k in ours]
 
 
+def _role_name(value: str) -> str:
+    try:
+        return Role(value).name
+    except ValueError:
+        return value
+
+
 def _fmt(pairs: list[tuple[str, str]], limit: int = 6) -> str:
-    shown = ", ".join(f"{n}:{Role(r).name if r in Role._value2member_map_ else r}" for n, r in pairs[:limit])
+    shown = ", ".join(f"{n}:{_role_name(r)}" for n, r in pairs[:limit])
     more = f" and {len(pairs) - limit} more" if len(pairs) > limit else ""
     return f"[{shown}{more}]"
 

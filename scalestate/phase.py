@@ -109,17 +109,21 @@ _REENTRANT_FORWARD = _reentrant_forward_code()
 
 
 def in_reentrant_checkpoint_forward() -> bool:
-    """True inside the forward of ``torch.utils.checkpoint(use_reentrant=True)``.
+    """True inside a training forward of ``torch.utils.checkpoint(use_reentrant=True)``.
 
     That forward runs its function under ``torch.no_grad()``, which would
-    otherwise read as evaluation. Only consulted for casts with grad disabled
-    and no explicit phase, so training and explicit loops never pay for it.
+    otherwise read as evaluation. It is training when one of its tensor inputs
+    requires grad (without one, torch's reentrant checkpoint produces no
+    gradients at all: that is an evaluation pass through a checkpointed model).
+    Only consulted for casts with grad disabled and no explicit phase, so
+    training with grad enabled, and explicit loops, never pay for the look.
     """
     if _REENTRANT_FORWARD is None:
         return False
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _REENTRANT_FORWARD:
-            return True
+            args = frame.f_locals.get("args", ())
+            return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         frame = frame.f_back
     return False

@@ -82,8 +82,46 @@ class TestRegistry:
         """An unavailable backend's error carries its reason."""
         register_backend("nowhere", _Unavailable)
         with pytest.raises(BackendUnavailableError, match="does not exist"):
-            ss.ScalingStateManager(ss.DelayedScaling(), backend="nowhere")
+            ss.ScalingStateManager(ss.DelayedScaling(), backend="nowhere", device="cpu")
         assert available_backends()["nowhere"] == (False, "needs a device that does not exist")
+
+    def test_unavailable_found_at_first_cast_without_device(self):
+        """With no device given, availability is checked for the first tensor's device."""
+        register_backend("nowhere", _Unavailable)
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="nowhere")
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        with pytest.raises(BackendUnavailableError, match="does not exist"):
+            h.quantize(torch.ones(2), ss.Role.INPUT)
+
+    def test_auto_is_settled_on_the_state_device(self):
+        """Without a device, 'auto' is chosen at the first cast, for that tensor's device."""
+        m = ss.ScalingStateManager(ss.DelayedScaling())
+        assert "backend='auto'" in repr(m)
+        m.register("fc", roles=(ss.Role.INPUT,)).quantize(torch.ones(2), ss.Role.INPUT)
+        assert m.backend.name == "emulation" and "backend='emulation'" in repr(m)
+
+    def test_auto_skips_a_broken_backend(self, caplog):
+        """A registered backend whose factory fails does not stop 'auto' from trying the next."""
+
+        def broken():
+            raise ImportError("libfp8kernels.so: cannot open shared object file")
+
+        register_backend("cuda", broken)
+        with caplog.at_level(logging.INFO, logger="scalestate"):
+            backend = resolve_backend("auto", torch.device("cuda"))
+        assert backend.name in ("scaled_mm", "emulation")
+
+    def test_backend_needs_a_name(self):
+        """A backend object without a string name is refused, by registry and manager alike."""
+
+        class Nameless(EmulationBackend):
+            name = None  # type: ignore[assignment]
+
+        register_backend("nameless", Nameless)
+        with pytest.raises(ScaleStateError, match="'name'"):
+            get_backend("nameless")
+        with pytest.raises(ScaleStateError, match="'name'"):
+            ss.ScalingStateManager(ss.DelayedScaling(), backend=Nameless())
 
     def test_auto_picks_and_logs(self, caplog):
         """'auto' on CPU picks the emulation backend and says so on the scalestate logger."""
@@ -115,10 +153,11 @@ class TestEntryPoints:
         dist.mkdir()
         (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-fp8\nVersion: 1.0\n")
         (dist / "entry_points.txt").write_text(
-            "[scalestate.backends]\nthirdparty = thirdparty_fp8:ThirdParty\n"
+            "[scalestate.backends]\nthirdparty = thirdparty_fp8:ThirdParty\nauto = thirdparty_fp8:ThirdParty\n"
         )
         monkeypatch.syspath_prepend(str(tmp_path))
         assert "thirdparty" in available_backends()
+        assert "auto" not in available_backends()
         m = ss.ScalingStateManager(ss.DelayedScaling(), backend="thirdparty")
         assert type(m.backend).__name__ == "ThirdParty"
         monkeypatch.delitem(sys.modules, "thirdparty_fp8", raising=False)
@@ -207,16 +246,25 @@ class TestScaledMM:
         ok, reason = ScaledMMBackend().available(torch.device("cpu"))
         assert ok and "CPU" in reason
 
-    def test_cuda_rules_are_clear_errors(self):
-        """The CUDA layout rules raise errors that name the problem and a way out."""
+    def test_cuda_layout(self):
+        """cuBLASLt's rules: layouts made, odd dimensions zero-padded (the product is unchanged)."""
         e5 = torch.zeros(16, 16, dtype=torch.float8_e5m2)
         with pytest.raises(BackendUnavailableError, match="two E5M2"):
             _cuda_layout(e5, e5)
-        e4 = torch.zeros(16, 24, dtype=torch.float8_e4m3fn)
-        with pytest.raises(BackendUnavailableError, match="multiples of 16"):
-            _cuda_layout(e4, torch.zeros(24, 8, dtype=torch.float8_e4m3fn))
-        a, b = _cuda_layout(e4[:, :16], torch.zeros(16, 32, dtype=torch.float8_e4m3fn))
-        assert a.is_contiguous() and b.t().is_contiguous()
+        a = torch.randn(20, 24).to(torch.float8_e4m3fn)
+        b = torch.randn(40, 24).to(torch.float8_e4m3fn).t()
+        pa, pb = _cuda_layout(a, b)
+        assert pa.shape == (20, 32) and pb.shape == (32, 48)
+        assert pa.is_contiguous() and pb.t().is_contiguous()
+        one = torch.tensor(1.0)
+        want = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        got = torch._scaled_mm(pa, pb, scale_a=one, scale_b=one, out_dtype=torch.float32)[:, :40]
+        assert torch.equal(got, want)
+
+    def test_dequantize_inherited(self):
+        """The scaled_mm backend keeps the emulation's dequantize."""
+        q = Quantized(torch.tensor([2.0]).to(torch.float8_e4m3fn), torch.tensor(0.5))
+        assert ScaledMMBackend().dequantize(q).item() == 1.0
 
     @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message; a GPU is present")
     def test_cuda_unavailable_reason(self):

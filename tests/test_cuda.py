@@ -73,12 +73,24 @@ class TestBackendsOnCuda:
             torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3 * a.abs().max().item())
 
     @needs_sm89
-    def test_cuda_rules_are_clear_errors(self):
-        """Shapes cuBLASLt cannot take and E5M2 x E5M2 raise errors that say what to do."""
-        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="scaled_mm")
-        layer = ss.nn.Linear(24, 8, manager=m, device="cuda")
-        with pytest.raises(BackendUnavailableError, match="multiples of 16"):
-            layer(torch.randn(16, 24, device="cuda"))
+    def test_odd_shapes(self):
+        """Dimensions cuBLASLt cannot take directly (24 features, 20 tokens) are padded: same result as emulation."""
+        results = []
+        for backend in ("emulation", "scaled_mm"):
+            m = ss.ScalingStateManager(ss.DelayedScaling(), backend=backend)
+            torch.manual_seed(0)
+            layer = ss.nn.Linear(24, 40, manager=m, device="cuda")
+            x = torch.randn(20, 24, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+            x.requires_grad_()
+            y = layer(x)
+            y.square().sum().backward()
+            results.append((y.detach(), x.grad, layer.weight.grad))
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3 * a.abs().max().item())
+
+    @needs_sm89
+    def test_two_e5m2_operands_error(self):
+        """E5M2 x E5M2 cannot run on cuBLASLt: the error says what to do."""
         m2 = ss.ScalingStateManager(ss.DelayedScaling(format=ss.Format.E5M2), backend="scaled_mm")
         layer2 = ss.nn.Linear(32, 32, manager=m2, device="cuda")
         with pytest.raises(BackendUnavailableError, match="two E5M2"):
@@ -129,3 +141,23 @@ class TestNoHostSync:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert m.iteration == 4
+
+
+class TestDeviceOnCuda:
+    def test_cuda_without_index(self):
+        """device='cuda' means the current GPU: tensors on cuda:0 cast without a device error."""
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", device="cuda")
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        with m.forward():
+            h.quantize(torch.ones(4, device="cuda"), ss.Role.INPUT)
+        m.step()
+        assert m.device == torch.device("cuda", torch.cuda.current_device())
+
+    def test_follows_first_cast_to_the_gpu(self):
+        """With no device given, the state moves to the GPU at the first cast, values kept."""
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        with m.forward():
+            h.quantize(torch.full((4,), 2.0, device="cuda"), ss.Role.INPUT)
+        m.step()
+        assert m.device.type == "cuda" and h.amax_history(ss.Role.INPUT)[-1].item() == 2.0

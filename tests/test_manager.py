@@ -471,6 +471,29 @@ class TestMicrobatchesAndEvaluation:
         for key in ("amax_history", "scale", "step_amax"):
             assert torch.equal(before[key], after[key])
 
+    def test_inference_mode_between_steps(self, manager):
+        """Validation under inference_mode leaves no cast behind that training could not use."""
+        layer = ss.nn.Linear(16, 8, manager=manager, name="fc")
+        for _ in range(2):
+            with manager.forward():
+                y = layer(torch.randn(4, 16))
+            with manager.backward():
+                y.sum().backward()
+            manager.step()
+            with torch.inference_mode():
+                layer(torch.randn(4, 16))
+        assert manager.iteration == 2
+
+    @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+    @pytest.mark.parametrize("mechanism", ["torch", "ss"])
+    def test_evaluation_through_reentrant_checkpoint(self, manager, mechanism):
+        """An evaluation pass through a reentrant-checkpointed model records nothing."""
+        layer = ss.nn.Linear(16, 8, manager=manager, name="fc")
+        run = functools.partial(tcp.checkpoint if mechanism == "torch" else ss.checkpoint, use_reentrant=True)
+        with torch.no_grad():
+            run(layer, torch.randn(4, 16) * 300)
+        assert manager.state_dict()["step_amax"].tolist() == [0.0, 0.0, 0.0]
+
     def test_no_grad_inside_forward_phase_records(self, manager):
         """Inside an explicit forward phase a no_grad pass is a training forward."""
         h = manager.register("fc", roles=(I,))
@@ -521,6 +544,13 @@ class TestDevice:
         assert delayed.device == torch.device("cpu")
         with pytest.raises(ScaleStateError, match=r"one manager per device|manager.to"):
             h.quantize(torch.ones(2, device="meta"), I)
+
+    def test_indexed_cpu(self):
+        """device='cpu:0' is the CPU tensors report as 'cpu'."""
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", device="cpu:0")
+        with m.forward():
+            m.register("fc", roles=(I,)).quantize(torch.ones(2), I)
+        assert m.device == torch.device("cpu")
 
     def test_to_keeps_values(self, delayed):
         """to() moves the state with its values."""

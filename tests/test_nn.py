@@ -100,6 +100,11 @@ class TestLinear:
         assert a.handle.roles == (I, W, G)
         assert "slot='head'" in repr(c)
 
+    def test_empty_name_refused(self, delayed):
+        """An empty name is an error, not a request for a default one."""
+        with pytest.raises(ss.errors.SlotError):
+            ss.nn.Linear(8, 4, manager=delayed, name="")
+
     def test_manager_required(self):
         """The manager must be a ScalingStateManager."""
         with pytest.raises(TypeError, match="ScalingStateManager"):
@@ -203,6 +208,23 @@ class TestConvert:
         model = torch.nn.Sequential(Custom(4, 4), ss.nn.Linear(4, 4, manager=delayed, name="done"))
         ss.nn.convert(model, delayed)
         assert type(model[0]) is Custom and list(delayed.handles) == ["done"]
+
+    def test_shared_layer_converted_everywhere(self, delayed):
+        """A layer reachable by two paths becomes one FP8 layer at both."""
+        shared = torch.nn.Linear(4, 4)
+        model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)
+        ss.nn.convert(model, delayed)
+        assert isinstance(model[0], ss.nn.Linear) and model[2] is model[0]
+        assert list(delayed.handles) == ["0"]
+
+    def test_taken_name_changes_nothing(self, delayed):
+        """A name already registered: nothing is converted, no slot is added."""
+        delayed.register("1")
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        with pytest.raises(ss.errors.SlotError, match=r"\['1'\] are already registered"):
+            ss.nn.convert(model, delayed)
+        assert list(delayed.handles) == ["1"]
+        assert type(model[0]) is torch.nn.Linear and type(model[1]) is torch.nn.Linear
 
     def test_bare_linear(self, delayed):
         """Converting a Linear itself returns the FP8 layer."""

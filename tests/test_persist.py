@@ -112,5 +112,12 @@ class TestValidation:
         sd = m.state_dict()
         with m.forward():
             layer(torch.randn(2, 8))
-        with pytest.raises(PhaseError, match="between steps"):
+        with pytest.raises(PhaseError, match="middle of a step"):
+            m.load_state_dict(sd)
+
+    def test_not_inside_a_block(self):
+        """Loading inside a phase block names the block."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        with m.forward(), pytest.raises(PhaseError, match=r"inside `with manager\.forward\(\)`"):
             m.load_state_dict(sd)

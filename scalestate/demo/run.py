@@ -53,12 +53,13 @@ def run_demo(args: argparse.Namespace) -> int:
     cfg = _config(args)
     try:
         recipe = cfg.make_recipe()
-        ss.ScalingStateManager(recipe, backend=cfg.backend)  # fail fast on a bad backend
+        ss.ScalingStateManager(recipe, backend=cfg.backend, device="cpu")  # fail fast on a bad backend
     except ScaleStateError as exc:
         print(f"scalestate demo: {exc}", file=sys.stderr)
         return 2
     n_params = sum(p.numel() for p in _probe_model(cfg).parameters())
-    chars = len(corpus())
+    text = corpus()
+    chars = len(text)
     print(
         f"scalestate demo: {cfg.n_layers}-block decoder LM ({n_params / 1e6:.2f}M params), "
         f"{cfg.steps} steps of {cfg.microbatches} microbatches x {cfg.microbatch_size} "
@@ -71,9 +72,9 @@ def run_demo(args: argparse.Namespace) -> int:
     quiet = args.quiet
     runs: list[RunResult] = []
     if not args.no_fp32:
-        runs.append(train(cfg, fp8=False, checkpoint=False, label="fp32", show_progress=not quiet))
-    ckpt = train(cfg, fp8=True, checkpoint=True, label="fp8 + checkpointing", show_progress=not quiet)
-    plain = train(cfg, fp8=True, checkpoint=False, label="fp8, no checkpointing", show_progress=not quiet)
+        runs.append(train(cfg, fp8=False, checkpoint=False, label="fp32", text=text, show_progress=not quiet))
+    ckpt = train(cfg, fp8=True, checkpoint=True, label="fp8 + checkpointing", text=text, show_progress=not quiet)
+    plain = train(cfg, fp8=True, checkpoint=False, label="fp8, no checkpointing", text=text, show_progress=not quiet)
     runs += [ckpt, plain]
 
     marks = sorted({max(1, cfg.steps * k // 4) for k in (1, 2, 3, 4)})

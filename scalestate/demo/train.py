@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import attrs
@@ -66,20 +65,20 @@ class RunResult:
     scaling: dict[str, Any] | None
 
 
-def _split(cfg: DemoConfig) -> tuple[Tensor, Tensor]:
-    tokens = encode(corpus())
+def train(
+    cfg: DemoConfig,
+    *,
+    fp8: bool,
+    checkpoint: bool,
+    label: str,
+    text: str | None = None,
+    show_progress: bool = True,
+) -> RunResult:
+    """Train one model from scratch on ``text`` (default: :func:`corpus`), 95/5 split,
+    and evaluate it on the held-out part."""
+    tokens = encode(corpus() if text is None else text)
     cut = int(tokens.numel() * 0.95)
-    return tokens[:cut], tokens[cut:]
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
-def train(cfg: DemoConfig, *, fp8: bool, checkpoint: bool, label: str, show_progress: bool = True) -> RunResult:
-    """Train one model from scratch and evaluate it on held-out text."""
-    train_tokens, val_tokens = _split(cfg)
+    train_tokens, val_tokens = tokens[:cut], tokens[cut:]
     torch.manual_seed(cfg.seed)
     model = TinyLM(
         d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
@@ -87,7 +86,7 @@ def train(cfg: DemoConfig, *, fp8: bool, checkpoint: bool, label: str, show_prog
     )
     manager = None
     if fp8:
-        manager = ss.ScalingStateManager(cfg.make_recipe(), backend=cfg.backend)
+        manager = ss.ScalingStateManager(cfg.make_recipe(), backend=cfg.backend, device="cpu")
         ss.nn.convert(model, manager)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     warmup = max(1, cfg.steps // 10)
@@ -102,9 +101,9 @@ def train(cfg: DemoConfig, *, fp8: bool, checkpoint: bool, label: str, show_prog
     for step_batch in data:
         total = 0.0
         for mb in step_batch.chunk(cfg.microbatches):
-            with manager.forward() if manager else _nothing():
+            with manager.forward() if manager else contextlib.nullcontext():
                 loss = model.loss(mb) / cfg.microbatches
-            with manager.backward() if manager else _nothing():
+            with manager.backward() if manager else contextlib.nullcontext():
                 torch.autograd.backward(loss)
             total += loss.item()
         opt.step()

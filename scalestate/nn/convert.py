@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from scalestate.errors import SlotError
 from scalestate.manager import ScalingStateManager
 from scalestate.nn.linear import Linear, _free_name
 
@@ -21,9 +22,12 @@ def convert(
 
     The new layers take over the *same* parameter objects, so weights are kept
     and an optimizer built before the conversion still updates them. Each
-    slot is named after the module's path (``"blocks.0.fc1"``). Subclasses of
-    ``torch.nn.Linear`` are left alone (their forward may do more than a
-    product), as are layers already converted.
+    slot is named after the module's path (``"blocks.0.fc1"``); a layer shared
+    by several paths becomes one FP8 layer, named after its first path.
+    Subclasses of ``torch.nn.Linear`` are left alone (their forward may do
+    more than a product), as are layers already converted. If a slot name is
+    already taken in ``manager``, nothing is converted and a ``SlotError``
+    names it.
 
     Args:
         model: converted in place, and returned. If ``model`` itself is a
@@ -46,17 +50,26 @@ def convert(
         if filter_fn is None or filter_fn("", model):
             return _swap(model, manager, _free_name(manager, "linear"))
         return model
-    targets = [
-        (path, module)
-        for path, module in model.named_modules()
-        if path
-        and type(module) is torch.nn.Linear
-        and (filter_fn is None or filter_fn(path, module))
-    ]
-    for path, module in targets:
-        parent_path, _, child = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        setattr(parent, child, _swap(module, manager, path))
+    # Every path to every layer: a layer reachable twice (shared) is converted
+    # once, under its first path, and replaced at all of them.
+    paths: dict[int, list[str]] = {}
+    layers: dict[int, torch.nn.Linear] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if path and type(module) is torch.nn.Linear:
+            paths.setdefault(id(module), []).append(path)
+            layers[id(module)] = module
+    chosen = {key: found for key, found in paths.items() if filter_fn is None or filter_fn(found[0], layers[key])}
+    taken = [found[0] for found in chosen.values() if found[0] in manager.handles]
+    if taken:  # check before changing anything: a half-converted model helps no one
+        raise SlotError(
+            f"cannot convert: slot name(s) {taken} are already registered with this manager; "
+            "convert each model once per manager, or use a fresh manager"
+        )
+    for key, found in chosen.items():
+        new = _swap(layers[key], manager, found[0])
+        for path in found:
+            parent_path, _, child = path.rpartition(".")
+            setattr(model.get_submodule(parent_path), child, new)
     return model
 
 

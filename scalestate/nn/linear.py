@@ -14,7 +14,6 @@ from scalestate.recipe import Role
 
 __all__ = ["Linear", "linear"]
 
-_ROLES = (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -129,7 +128,7 @@ class Linear(torch.nn.Linear):
         if not isinstance(manager, ScalingStateManager):
             raise TypeError(f"manager must be a ScalingStateManager; got {type(manager).__name__}")
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.handle = manager.register(name or _free_name(manager, "linear"), roles=_ROLES)
+        self.handle = manager.register(name if name is not None else _free_name(manager, "linear"), roles=tuple(Role))
 
     def forward(self, x: Tensor) -> Tensor:
         """FP8 ``x @ weight.T + bias``."""
