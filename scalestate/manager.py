@@ -140,6 +140,12 @@ class ScalingStateManager:
         self._backend_checked = True
         return self._backend
 
+    def _recheck_backend(self) -> None:
+        """After the state moved: check the backend again, or choose again for "auto"."""
+        self._backend_checked = False
+        if self._backend_name == "auto":
+            self._backend = None
+
     @property
     def phase(self) -> Phase:
         """The explicit phase (``Phase.IDLE`` when none is set)."""
@@ -380,13 +386,11 @@ class ScalingStateManager:
         if entry is not None and entry.matches(x, st.epoch):
             return entry.quantized, entry.amax
         q, amax = self.backend.quantize(x.detach(), st.scales[row], st.slots[row].spec, self._jit(row))
-        if torch.is_inference_mode_enabled():  # inference tensors cannot serve a later training pass
+        # Inference tensors (made in, or cast from, inference mode) track no version
+        # and cannot be saved for a later training backward: never cache them.
+        if torch.is_inference_mode_enabled() or x.is_inference():
             return q, amax
-        try:
-            version = x._version
-        except RuntimeError:  # inference tensors track no version: never cache them
-            return q, amax
-        st.weight_casts[row] = CachedCast(weakref.ref(x), x.data_ptr(), version, st.epoch, q, amax)
+        st.weight_casts[row] = CachedCast(weakref.ref(x), x.data_ptr(), x._version, st.epoch, q, amax)
         return q, amax
 
     def _check_recompute(self, row: int, amax: float) -> None:
@@ -413,9 +417,7 @@ class ScalingStateManager:
                 f"manager.to({str(device)!r}) between steps"
             )
         st.to(device)
-        self._backend_checked = False  # check again (or choose, for "auto") for the new device
-        if self._backend_name == "auto":
-            self._backend = None
+        self._recheck_backend()
 
     def to(self, device: torch.device | str) -> ScalingStateManager:
         """Move the state to ``device``, every value kept (a step's pending amaxes too).
@@ -427,9 +429,7 @@ class ScalingStateManager:
             raise PhaseError("to() called inside a phase block; move the state between steps")
         self._state.to(_canonical(torch.device(device)))
         self._state.pinned = True
-        self._backend_checked = False
-        if self._backend_name == "auto":
-            self._backend = None
+        self._recheck_backend()
         self._checked_backend()
         return self
 

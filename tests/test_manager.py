@@ -562,3 +562,14 @@ class TestDevice:
         delayed.to("cpu")
         after = delayed.state_dict()
         assert torch.equal(before["amax_history"], after["amax_history"])
+
+
+class TestInferenceTensors:
+    def test_weight_made_in_inference_mode_is_cast_uncached(self, delayed):
+        """A weight created under inference_mode (no version counter) is cast, never cached."""
+        with torch.inference_mode():
+            w = torch.randn(4, 4)
+        h = delayed.register("w", roles=(W,))
+        with delayed.forward():
+            h.quantize(w, W)
+        assert delayed._state.weight_casts == {}
