@@ -31,13 +31,15 @@ from collections.abc import Callable
 
 import torch
 
-from scalestate.backends.base import Backend, CastSpec
+from scalestate.backends.base import Backend, CastRequest, CastSpec, StepUpdate
 from scalestate.errors import BackendUnavailableError, ScaleStateError, UnknownBackendError
 
 __all__ = [
     "Backend",
     "BackendFactory",
+    "CastRequest",
     "CastSpec",
+    "StepUpdate",
     "available_backends",
     "get_backend",
     "register_backend",
@@ -133,10 +135,15 @@ def validate_backend(backend: object, registered_as: str | None = None) -> Backe
     label = f"backend {registered_as!r} ({type(backend).__qualname__})" if registered_as else (
         f"backend {type(backend).__qualname__}"
     )
-    for member in ("available", "quantize", "scaled_mm", "update"):
+    for member in ("available", "cast", "wants_transposed", "scaled_mm", "update"):
         if not callable(getattr(backend, member, None)):
+            hint = (
+                " (quantize(x, scale, spec, jit) became cast(request: CastRequest) in scalestate 0.2)"
+                if member == "cast" and callable(getattr(backend, "quantize", None))
+                else ""
+            )
             raise ScaleStateError(
-                f"{label} has no method {member}(); see scalestate.backends.Backend for the interface"
+                f"{label} has no method {member}(){hint}; see scalestate.backends.Backend for the interface"
             )
     if not isinstance(getattr(backend, "name", None), str):
         raise ScaleStateError(f"{label} has no string attribute 'name'")

@@ -1,39 +1,92 @@
 """The backend interface: what the manager asks of a compute backend.
 
-Design requirement: a backend knows nothing of phases, slots or steps. It casts
-tensors to FP8 (reporting their amax), multiplies FP8 matrices, and applies the
-per-step update to all slots at once. The manager owns every decision about
-*which* scale a cast uses and *whether* its amax is recorded.
+Design requirement: a backend knows nothing of phases, slots or steps. The
+manager decides, for every cast, which scale it uses, whether its amax is
+recorded and where; it hands the backend one :class:`CastRequest` that says
+all of that, so that a backend can do the whole cast in one pass over the
+tensor: read it, find its amax, scale and round it, max the amax into the
+slot's accumulator, and write the transposed copy a GEMM needs. Once per
+optimizer step the manager hands it one :class:`StepUpdate` for all slots.
 
-A backend is any object with these members; subclassing :class:`Backend` is
-optional (it is a :class:`typing.Protocol`).
+A backend is any object with the members of :class:`Backend`; subclassing it
+is optional (it is a :class:`typing.Protocol`). The emulation backend is the
+readable reference of every rule below.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import attrs
 import torch
 from torch import Tensor
 
+from scalestate.math import ScaleRule
 from scalestate.quantized import Quantized
 
-__all__ = ["Backend", "CastSpec"]
+__all__ = ["Backend", "CastRequest", "CastSpec", "StepUpdate"]
 
 
 @attrs.frozen
 class CastSpec:
-    """How one slot casts: target dtype and the recipe's scale rules."""
+    """How one slot casts: target dtype and the rule of just-in-time scales. Fixed per slot."""
 
     #: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
     dtype: torch.dtype
-    #: Largest finite value of ``dtype``.
+    #: Largest finite value of ``dtype`` (448 or 57344).
     fp8_max: float
-    #: Just-in-time scales are divided by ``2**margin``.
-    margin: int = 0
-    #: Just-in-time scales are rounded down to a power of two.
-    power_of_2: bool = False
+    #: Margin and power-of-two rounding of just-in-time scales.
+    rule: ScaleRule = attrs.field(factory=ScaleRule)
+
+
+class CastRequest(NamedTuple):
+    """One cast, fully decided by the manager.
+
+    The result is ``Quantized(data, scale, scale_inv, transposed)`` with
+    ``data = saturate(x * scale)`` rounded to nearest even in ``spec.dtype``
+    (values beyond ``±spec.fp8_max`` become ``±spec.fp8_max``; NaN stays NaN),
+    ``scale_inv = torch.reciprocal(scale)``, and both scales fresh tensors,
+    never views of the state (which changes at the next step).
+    """
+
+    #: The tensor to cast (any float dtype, any shape; detached). Computed in float32.
+    x: Tensor
+    #: Target dtype and just-in-time rule.
+    spec: CastSpec
+    #: 0-d float32 view of the slot's current scale; read it, never write it.
+    scale: Tensor
+    #: ``False``: cast with ``scale``. ``True``: cast with the scale of ``x``'s own
+    #: amax, ``scalestate.math.scale_from_amax(amax, spec.fp8_max, spec.rule,
+    #: previous=scale)``. A 0-d bool tensor: decide per the tensor, on the device
+    #: (no host sync).
+    jit: bool | Tensor
+    #: ``None``: record nothing. Else a 0-d float32 view of the slot's step
+    #: accumulator: replace it, in place, by ``maximum(record, amax(|x|))``
+    #: (NaN propagates), in the same pass as the cast where the backend can.
+    record: Tensor | None = None
+    #: Also produce ``transposed`` (2-d ``x`` only), in the same pass where the backend can.
+    transpose: bool = False
+
+
+class StepUpdate(NamedTuple):
+    """The end-of-step update of every slot, applied in place.
+
+    Exactly :func:`scalestate.math.update_scales`: roll ``history`` with
+    ``step_amax``, derive new ``scales``; then zero ``step_amax``. The tensors
+    are the state's own buffers: write them in place (their storage must not
+    change), in a fixed number of operations whatever ``N`` is, with no host sync.
+    """
+
+    #: ``[N, H]`` float32 amax histories, newest last.
+    history: Tensor
+    #: ``[N]`` float32 scales.
+    scales: Tensor
+    #: ``[N]`` float32 max-reduced amaxes of the step (0 where a slot did not run).
+    step_amax: Tensor
+    #: ``[N]`` float32 format maximum per slot.
+    fp8_max: Tensor
+    #: How scales follow from the history.
+    rule: ScaleRule
 
 
 @runtime_checkable
@@ -44,21 +97,23 @@ class Backend(Protocol):
     name: str
 
     def available(self, device: torch.device | None = None) -> tuple[bool, str]:
-        """Whether it can run on ``device`` (default: where it would run), and why."""
+        """Whether it can run on ``device`` (default: where it would run), and why.
+
+        The reason is shown to users verbatim: name the missing capability.
+        Answer without running tensor operations (this may be asked during a
+        checkpointed region, where an extra operation would be recorded).
+        """
         ...
 
-    def quantize(
-        self, x: Tensor, scale: Tensor, spec: CastSpec, jit: bool | Tensor
-    ) -> tuple[Quantized, Tensor]:
-        """Cast ``x`` to FP8; return the result and ``x``'s amax (0-d float32).
+    def cast(self, request: CastRequest) -> Quantized:
+        """Cast ``request.x`` to FP8 as the request says (see :class:`CastRequest`)."""
+        ...
 
-        Args:
-            x: the tensor to cast (any float dtype, any shape).
-            scale: 0-d float32, the slot's current scale.
-            spec: target dtype and scale rules.
-            jit: ``True`` to scale ``x`` from its own amax instead of ``scale``
-                (see :func:`scalestate.math.scale_from_amax`, with ``scale`` as the
-                previous value); a 0-d bool tensor decides on the device, with no sync.
+    def wants_transposed(self, device: torch.device) -> bool:
+        """Whether :meth:`scaled_mm` on ``device`` needs operands in the other layout.
+
+        Modules then ask casts for ``transposed`` copies (made in the same
+        pass), instead of leaving the product to copy its operands.
         """
         ...
 
@@ -70,24 +125,9 @@ class Backend(Protocol):
         out_dtype: torch.dtype,
         bias: Tensor | None = None,
     ) -> Tensor:
-        """``(a.data * a.scale_inv) @ (b.data * b.scale_inv) + bias`` in ``out_dtype``."""
+        """``(a.data * a.scale_inv) @ (b.data * b.scale_inv) + bias`` in ``out_dtype`` (2-d operands)."""
         ...
 
-    def update(
-        self,
-        history: Tensor,
-        scales: Tensor,
-        step_amax: Tensor,
-        fp8_max: Tensor,
-        *,
-        amax_compute: Literal["max", "most_recent"],
-        margin: int,
-        power_of_2: bool,
-    ) -> None:
-        """The step update of every slot, in place, in a fixed number of operations.
-
-        Rolls ``history`` ``[N, H]`` with ``step_amax`` ``[N]``, writes new
-        ``scales`` ``[N]`` and zeroes ``step_amax``, exactly as
-        :func:`scalestate.math.update_scales` specifies.
-        """
+    def update(self, update: StepUpdate) -> None:
+        """Apply the step update of every slot in place (see :class:`StepUpdate`)."""
         ...

@@ -1,22 +1,27 @@
 """``emulation``: pure-torch FP8, the reference every other backend is tested against.
 
-Casts saturate to the FP8 range and round to nearest even (torch's own cast);
-matrix products dequantize both operands and multiply in float32. Runs on any
-device torch supports.
+This module is the readable specification of the cast and the step update.
+A cast reads ``x`` in float32, finds its amax, multiplies by the scale,
+saturates to the FP8 range and rounds to nearest even (torch's own cast); a
+recorded cast then maxes its amax into the slot's accumulator. Matrix
+products dequantize both operands and multiply in float32. Runs on any device
+torch supports, and under ``torch.compile`` (where the compiler fuses the
+cast's operations into one kernel).
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-from scalestate.backends.base import CastSpec
+from scalestate.backends.base import CastRequest, StepUpdate
 from scalestate.math import scale_from_amax, update_scales
 from scalestate.quantized import Quantized
 
 __all__ = ["EmulationBackend"]
+
+#: Below this many elements, a table lookup costs more than it saves.
+_TABLE_MIN_NUMEL = 4096
 
 
 class EmulationBackend:
@@ -27,16 +32,47 @@ class EmulationBackend:
     def __init__(self) -> None:
         self._e4m3_tables: dict[torch.device, Tensor] = {}
 
+    def available(self, device: torch.device | None = None) -> tuple[bool, str]:
+        """Always available: it needs nothing beyond torch's float8 dtypes."""
+        return True, "pure torch: runs on any device"
+
+    def cast(self, request: CastRequest) -> Quantized:
+        """The reference cast: amax, scale, saturating round, record, optional transpose."""
+        x, spec = request.x, request.spec
+        xf = x if x.dtype == torch.float32 else x.float()
+        amax = torch.linalg.vector_norm(xf, float("inf")) if xf.numel() else xf.new_zeros(())
+        if request.jit is False:
+            scale = request.scale.clone()  # the Quantized owns its scale; the slot's may change
+        else:
+            own = scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale)
+            scale = own if request.jit is True else torch.where(request.jit, own, request.scale)
+        data = (xf * scale).clamp_(-spec.fp8_max, spec.fp8_max).to(spec.dtype)
+        if request.record is not None:
+            torch.maximum(request.record, amax, out=request.record)
+        transposed = data.t().contiguous() if request.transpose else None
+        return Quantized(data, scale, torch.reciprocal(scale), transposed)
+
+    def wants_transposed(self, device: torch.device) -> bool:
+        """False: products of dequantized operands take any layout."""
+        return False
+
     def dequantize(self, q: Quantized) -> Tensor:
         """``q.data * q.scale_inv`` in float32.
 
         On CPU, torch's E4M3 to float32 cast is several times slower than a
-        gather from a 256-entry table built with that very cast; the table is
-        scaled first (256 products instead of one per element), which gives
-        the same bits as scaling every element.
+        gather from a 256-entry table built with that very cast; for large
+        per-tensor-scaled operands the table is scaled first (256 products
+        instead of one per element), which gives the same bits as scaling
+        every element.
         """
         data = q.data
-        if data.dtype != torch.float8_e4m3fn or data.device.type != "cpu":
+        if (
+            data.numel() < _TABLE_MIN_NUMEL
+            or data.dtype != torch.float8_e4m3fn
+            or data.device.type != "cpu"
+            or q.scale_inv.dim() != 0
+            or torch.compiler.is_compiling()
+        ):
             return data.float() * q.scale_inv
         table = self._e4m3_tables.get(data.device)
         if table is None:
@@ -50,25 +86,6 @@ class EmulationBackend:
         values = values.view(codes.shape)
         return values.t() if flip else values
 
-    def available(self, device: torch.device | None = None) -> tuple[bool, str]:
-        """Always available: it needs nothing beyond torch's float8 dtypes."""
-        return True, "pure torch: runs on any device"
-
-    def quantize(
-        self, x: Tensor, scale: Tensor, spec: CastSpec, jit: bool | Tensor
-    ) -> tuple[Quantized, Tensor]:
-        """Saturating cast of ``x * scale`` to ``spec.dtype``; also returns ``amax(|x|)``."""
-        xf = x.float()
-        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
-        if jit is not False:
-            own = scale_from_amax(
-                amax, spec.fp8_max, margin=spec.margin, power_of_2=spec.power_of_2,
-                previous=scale,
-            )
-            scale = own if jit is True else torch.where(jit, own, scale)
-        data = (xf * scale).clamp_(-spec.fp8_max, spec.fp8_max).to(spec.dtype)
-        return Quantized(data, scale.reciprocal()), amax
-
     def scaled_mm(
         self,
         a: Quantized,
@@ -81,24 +98,9 @@ class EmulationBackend:
         out = torch.mm(self.dequantize(a), self.dequantize(b))
         if bias is not None:
             out = out + bias.float()
-        return out.to(out_dtype)
+        return out if out_dtype == torch.float32 else out.to(out_dtype)
 
-    def update(
-        self,
-        history: Tensor,
-        scales: Tensor,
-        step_amax: Tensor,
-        fp8_max: Tensor,
-        *,
-        amax_compute: Literal["max", "most_recent"],
-        margin: int,
-        power_of_2: bool,
-    ) -> None:
-        """Apply :func:`scalestate.math.update_scales` in place and clear ``step_amax``."""
-        new_history, new_scales = update_scales(
-            history, scales, step_amax, fp8_max,
-            amax_compute=amax_compute, margin=margin, power_of_2=power_of_2,
-        )
-        history.copy_(new_history)
-        scales.copy_(new_scales)
-        step_amax.zero_()
+    def update(self, update: StepUpdate) -> None:
+        """:func:`scalestate.math.update_scales` in place, then clear the accumulators."""
+        update_scales(update.history, update.scales, update.step_amax, update.fp8_max, update.rule, in_place=True)
+        update.step_amax.zero_()

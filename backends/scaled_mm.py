@@ -51,6 +51,11 @@ class ScaledMMBackend(EmulationBackend):
             return self._cpu_probe
         return False, f"torch._scaled_mm is not supported on {device.type} here"
 
+    def wants_transposed(self, device: torch.device) -> bool:
+        """True: FP8 operands go in as row-major times column-major (cuBLASLt's rule on CUDA,
+        and the compiler's for ``torch._scaled_mm`` everywhere)."""
+        return True
+
     def scaled_mm(
         self,
         a: Quantized,
@@ -59,12 +64,15 @@ class ScaledMMBackend(EmulationBackend):
         out_dtype: torch.dtype,
         bias: Tensor | None = None,
     ) -> Tensor:
-        """``torch._scaled_mm(a, b)`` with per-tensor scales; see the module docs for limits."""
-        a_data, b_data = a.data, b.data
-        n = b_data.shape[1]
+        """``torch._scaled_mm(a, b)``; see the module docs for limits.
+
+        On CUDA an operand in the wrong layout is taken from its ``transposed``
+        copy when the cast made one (no copy here), else copied.
+        """
+        n = b.data.shape[1]
         fuse_bias = bias is not None and bias.dtype == out_dtype
-        if a_data.is_cuda:
-            a_data, b_data = _cuda_layout(a_data, b_data)
+        a_data, b_data = _layout(a, b, pad=a.data.is_cuda)
+        if a.data.is_cuda:
             fuse_bias = fuse_bias and out_dtype != torch.float32 and b_data.shape[1] == n
         late_bias = None if fuse_bias else bias
         out = torch._scaled_mm(
@@ -83,9 +91,15 @@ class ScaledMMBackend(EmulationBackend):
         return out
 
 
-def _cuda_layout(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """Meet cuBLASLt's FP8 rules: row-major ``a``, column-major ``b``, inner and output
-    dimensions multiples of 16 (zero-padded), not both E5M2."""
+def _layout(qa: Quantized, qb: Quantized, *, pad: bool) -> tuple[Tensor, Tensor]:
+    """Row-major ``a``, column-major ``b`` (from ``transposed`` copies where the casts made
+    them). With ``pad``, also cuBLASLt's other FP8 rules: inner and output dimensions
+    multiples of 16 (zero-padded), not both E5M2."""
+    a, b = qa.data, qb.data
+    if not b.t().is_contiguous() and qb.transposed is not None:
+        b = qb.transposed.t()  # the column-major copy the cast made
+    if not pad:
+        return (a if a.is_contiguous() else a.contiguous()), (b if b.t().is_contiguous() else b.t().contiguous().t())
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
         raise BackendUnavailableError(
             "torch._scaled_mm on CUDA cannot multiply two E5M2 operands; "

@@ -57,6 +57,7 @@ def checkpoint(
         def marked(*a: Any, **k: Any) -> Any:
             nonlocal calls
             calls += 1
+            mark: ContextManager[None]
             if calls > 1:
                 mark = recompute_region()
             elif training:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendUnavailableError",
+    "CastError",
     "PhaseError",
     "RecipeError",
     "RecomputeMismatchError",
@@ -46,6 +47,10 @@ class BackendUnavailableError(ScaleStateError, RuntimeError):
 
 class StateDictError(ScaleStateError, ValueError):
     """A state dict does not match the manager it is loaded into."""
+
+
+class CastError(ScaleStateError, ValueError):
+    """A tensor handed to a cast or an FP8 product has a dtype or shape it cannot take."""
 
 
 class RecomputeMismatchError(ScaleStateError, RuntimeError):

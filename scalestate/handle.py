@@ -12,6 +12,7 @@ from scalestate.recipe import Role
 
 if TYPE_CHECKING:
     from scalestate.manager import ScalingStateManager
+    from scalestate.state import Slot
 
 __all__ = ["ScalingHandle"]
 
@@ -20,24 +21,26 @@ class ScalingHandle:
     """The casts of one registered name: one slot per role.
 
     Made by :meth:`ScalingStateManager.register`; a module keeps it and casts
-    through it. The handle holds no state of its own: every value lives in the
-    manager.
+    through it. The handle holds no state of its own: it keeps an opaque
+    reference per slot and asks its manager for everything.
 
     Example:
         >>> import torch, scalestate as ss
         >>> m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
         >>> h = m.register("fc1", roles=(ss.Role.INPUT, ss.Role.WEIGHT))
         >>> q = h.quantize(torch.ones(2, 2), ss.Role.INPUT)
-        >>> h.scale(ss.Role.INPUT)  # no step yet: casts are scaled just in time
+        >>> q.scale  # no step yet: casts are scaled just in time
+        tensor(448.)
+        >>> h.scale(ss.Role.INPUT)  # the slot's own scale is still the initial one
         tensor(1.)
     """
 
-    __slots__ = ("_manager", "_name", "_rows")
+    __slots__ = ("_manager", "_name", "_slots")
 
-    def __init__(self, manager: ScalingStateManager, name: str, rows: dict[Role, int]) -> None:
+    def __init__(self, manager: ScalingStateManager, name: str, slots: dict[Role, Slot]) -> None:
         self._manager = manager
         self._name = name
-        self._rows = rows
+        self._slots = slots
 
     @property
     def name(self) -> str:
@@ -47,45 +50,54 @@ class ScalingHandle:
     @property
     def roles(self) -> tuple[Role, ...]:
         """The roles it casts, in registration order."""
-        return tuple(self._rows)
+        return tuple(self._slots)
 
     @property
     def manager(self) -> ScalingStateManager:
         """The manager that owns its state."""
         return self._manager
 
-    def _row(self, role: Role) -> int:
+    def _slot(self, role: Role) -> Slot:
         try:
-            return self._rows[role]
+            return self._slots[role]
         except (KeyError, TypeError):
-            have = ", ".join(r.name for r in self._rows)
+            have = ", ".join(r.name for r in self._slots)
             raise SlotError(
                 f"slot {self._name!r} has roles ({have}); {role!r} was not registered. "
                 f"Add it to manager.register({self._name!r}, roles=...)"
             ) from None
 
-    def quantize(self, x: Tensor, role: Role) -> Quantized:
-        """Cast ``x`` to FP8 for ``role``; the result carries its own ``scale_inv``.
+    def quantize(self, x: Tensor, role: Role, *, transpose: bool = False) -> Quantized:
+        """Cast ``x`` to FP8 for ``role``; the result carries its own ``scale`` and ``scale_inv``.
 
         The scale is the slot's current one, or, for a slot with no history yet,
         one derived from ``x`` itself. Whether the amax of ``x`` is recorded
         depends on the phase (see :mod:`scalestate.phase`). ``WEIGHT`` casts are
-        cached per (tensor version, scale epoch) and reused until either changes.
+        cached per (tensor version, scale epoch) and reused until either changes
+        (in eager code; a compiled region casts every time, to the same bits).
 
         No autograd graph is built through the cast: call it from the module's
         forward (for forward roles) and from ``autograd.Function.backward``
         (for ``GRAD_OUTPUT``), and route gradients with an autograd Function.
+
+        Args:
+            x: the tensor to cast (any float dtype and shape).
+            role: one of the roles this handle was registered with.
+            transpose: also make ``Quantized.transposed`` (2-d ``x`` only), in
+                the same pass, for products that need the other layout (see
+                ``manager.backend.wants_transposed(device)``).
         """
-        return self._manager._cast(self._name, self._row(role), role, x)
+        slot = self._slots.get(role) if isinstance(role, Role) else None
+        return self._manager._cast(slot if slot is not None else self._slot(role), x, transpose)
 
     def scale(self, role: Role) -> Tensor:
         """A copy of the slot's current scale (0-d float32)."""
-        return self._manager._state.scales[self._row(role)].clone()
+        return self._manager._scale_of(self._slot(role))
 
     def amax_history(self, role: Role) -> Tensor:
         """A copy of the slot's amax history (``[history_len]`` float32, newest last)."""
-        return self._manager._state.history[self._row(role)].clone()
+        return self._manager._history_of(self._slot(role))
 
     def __repr__(self) -> str:
-        roles = ", ".join(r.name for r in self._rows)
+        roles = ", ".join(r.name for r in self._slots)
         return f"<ScalingHandle({self._name!r}, roles=({roles}))>"

@@ -4,36 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from scalestate.backends import Backend, CastSpec, get_backend, resolve_backend, validate_backend
-from scalestate.errors import (
-    BackendUnavailableError,
-    PhaseError,
-    RecomputeMismatchError,
-    ScaleStateError,
-    SlotError,
-)
+from scalestate.backends import Backend, CastRequest, CastSpec, get_backend, resolve_backend, validate_backend
+from scalestate.errors import BackendUnavailableError, CastError, PhaseError, ScaleStateError, SlotError
 from scalestate.handle import ScalingHandle
 from scalestate.persist import to_state_dict, validate
-from scalestate.phase import (
-    CastKind,
-    Phase,
-    in_autograd_backward,
-    in_marked_recompute,
-    in_marked_training_forward,
-    in_reentrant_checkpoint_forward,
-)
+from scalestate.phase import CastKind, Phase, classify, in_training_function_forward, read_signals
 from scalestate.quantized import Quantized
 from scalestate.recipe import CurrentScaling, DelayedScaling, Direction, Recipe, Role, fp8_max
-from scalestate.state import CachedCast, Slot, State
+from scalestate.state import Slot, State
 
 __all__ = ["ScalingStateManager"]
 
@@ -47,6 +32,7 @@ class ScalingStateManager:
     returned :class:`ScalingHandle`; the training loop drives the phases and
     calls :meth:`step` once per optimizer step. Scales change only in
     :meth:`step`; recomputation by activation checkpointing records nothing.
+    Phases are per thread, like torch's grad mode.
 
     Args:
         recipe: :class:`DelayedScaling` or :class:`CurrentScaling`.
@@ -55,10 +41,9 @@ class ScalingStateManager:
             or a backend object. An unknown name fails at once; availability
             (and the choice of ``"auto"``) is settled for ``device`` if given,
             else at the first cast, on that tensor's device.
-        device: where the state lives; by default the device of the first
-            tensor cast.
+        device: where the state lives; by default the device of the first tensor cast.
         debug: check that every recompute reproduces the amaxes of its forward
-            (raises :class:`~scalestate.errors.RecomputeMismatchError`).
+            (raises :class:`~scalestate.errors.RecomputeMismatchError`); eager code only.
 
     .. warning:: ``debug=True`` reads amaxes back to the host on every
        recorded forward cast and every recomputed one, a device sync each.
@@ -107,11 +92,16 @@ class ScalingStateManager:
             self._backend = get_backend(backend)
         self._backend_checked = False
         self._recipe: Recipe = recipe
-        self._debug = bool(debug)
-        self._state = State(device=dev or torch.device("cpu"), history_len=recipe.history_len)
-        self._state.pinned = dev is not None
+        self._rule = recipe.rule
+        self._delayed = recipe.delayed
+        self._specs = {
+            role: CastSpec(recipe.format.dtype(role), fp8_max(recipe.format.dtype(role)), recipe.rule)
+            for role in Role
+        }
+        self._state = State(dev or torch.device("cpu"), recipe.history_len, debug=bool(debug))
+        self._handles: dict[str, ScalingHandle] = {}
         if dev is not None:
-            self._checked_backend()
+            self._settle(dev)
 
     # ----------------------------------------------------------------- info
     @property
@@ -122,11 +112,21 @@ class ScalingStateManager:
     @property
     def backend(self) -> Backend:
         """The backend instance doing casts, products and updates, checked for the state's device."""
-        return self._checked_backend()
-
-    def _checked_backend(self) -> Backend:
+        if torch.compiler.is_compiling():
+            # Settled by an eager call, so that the compiled code never sees the check change state.
+            _settle_during_trace(self, None)
+            return self._checked
         if self._backend_checked and self._backend is not None:
             return self._backend
+        return self._check_backend()
+
+    @property
+    def _checked(self) -> Backend:
+        if self._backend is None:  # only reachable if settling failed, which raised
+            raise BackendUnavailableError(f"backend {self._backend_name!r} was never resolved")
+        return self._backend
+
+    def _check_backend(self) -> Backend:
         device = self._state.device
         if self._backend is None:
             self._backend = resolve_backend("auto", device)
@@ -140,16 +140,10 @@ class ScalingStateManager:
         self._backend_checked = True
         return self._backend
 
-    def _recheck_backend(self) -> None:
-        """After the state moved: check the backend again, or choose again for "auto"."""
-        self._backend_checked = False
-        if self._backend_name == "auto":
-            self._backend = None
-
     @property
     def phase(self) -> Phase:
-        """The explicit phase (``Phase.IDLE`` when none is set)."""
-        return self._state.phase
+        """The calling thread's explicit phase (``Phase.IDLE`` when none is set)."""
+        return self._state.phases.phase
 
     @property
     def iteration(self) -> int:
@@ -164,37 +158,55 @@ class ScalingStateManager:
     @property
     def debug(self) -> bool:
         """Whether recomputes are checked against their forward."""
-        return self._debug
+        return self._state.checker is not None
 
     @property
     def handles(self) -> Mapping[str, ScalingHandle]:
         """Registered names and their handles (read-only)."""
-        return MappingProxyType(self._state.handles)
+        return MappingProxyType(self._handles)
+
+    def buffers(self) -> Mapping[str, Tensor]:
+        """Live views of the state's buffers, one row per slot in ``state_dict()["slots"]`` order.
+
+        ``"amax_history"`` ``[N, history_len]``, ``"scale"`` ``[N]``, ``"step_amax"`` ``[N]``,
+        all float32 on :attr:`device`. They are the state itself, not copies: they
+        change at every step, and their storage never moves after the first
+        :meth:`step` (only :meth:`to` moves it), so CUDA graphs and external
+        readers may hold them. Read them; writing to them is not supported
+        (use :meth:`load_state_dict`).
+        """
+        st = self._state
+        return MappingProxyType({"amax_history": st.history, "scale": st.scales, "step_amax": st.step_amax})
+
+    @property
+    def capacity(self) -> int:
+        """Slots the state's buffers hold before they must grow (see :meth:`reserve`)."""
+        return self._state.capacity
 
     def __repr__(self) -> str:
-        st = self._state
         backend = self._backend.name if self._backend_checked and self._backend else self._backend_name
         return (
-            f"<ScalingStateManager(recipe={type(self._recipe).__name__}, "
-            f"backend={backend!r}, phase={st.phase.name}, "
-            f"slots={len(st.slots)}, step={st.iteration})>"
+            f"<ScalingStateManager(recipe={type(self._recipe).__name__}, backend={backend!r}, "
+            f"phase={self.phase.name}, slots={len(self._state)}, step={self.iteration})>"
         )
 
     # --------------------------------------------------------- registration
     def register(self, name: str, roles: Iterable[Role] = tuple(Role)) -> ScalingHandle:
         """Register what a module casts: one slot per role, under a unique name.
 
+        Amortized O(1): the state's buffers double their capacity when full.
+
         Args:
             name: unique within the manager, e.g. the module path ``"blocks.0.fc1"``.
             roles: the roles it casts (default: INPUT, WEIGHT, GRAD_OUTPUT).
 
         Raises:
-            SlotError: the name is taken, empty, or the roles are not distinct Roles.
+            SlotError: the name is taken or empty, the roles are not distinct
+                Roles, or the buffers are full after the first step (see :meth:`reserve`).
         """
-        st = self._state
         if not isinstance(name, str) or not name:
             raise SlotError(f"slot name must be a non-empty string; got {name!r}")
-        if name in st.handles:
+        if name in self._handles:
             raise SlotError(
                 f"a slot named {name!r} is already registered with this manager; "
                 "names must be unique (use the module's path, e.g. 'blocks.0.fc1')"
@@ -206,20 +218,20 @@ class ScalingStateManager:
                 f"roles must be distinct ss.Role values, at least one; got {roles!r} "
                 f"(allowed: {', '.join('Role.' + r.name for r in Role)})"
             )
-        slots = [Slot(name, role, self._spec(role)) for role in roles]
-        rows = st.add_rows(slots)
-        handle = ScalingHandle(self, name, dict(zip(roles, rows, strict=True)))
-        st.handles[name] = handle
+        slots = self._state.add(name, {role: self._specs[role] for role in roles})
+        handle = self._handles[name] = ScalingHandle(self, name, slots)
         return handle
 
-    def _spec(self, role: Role) -> CastSpec:
-        dtype = self._recipe.format.dtype(role)
-        return CastSpec(
-            dtype=dtype,
-            fp8_max=fp8_max(dtype),
-            margin=self._recipe.margin,
-            power_of_2=self._recipe.power_of_2,
-        )
+    def reserve(self, slots: int) -> None:
+        """Make room for ``slots`` slots in all, so that later registrations never move the buffers.
+
+        Buffers move only while they grow, and may not move after the first
+        :meth:`step` (CUDA graphs and external views hold their addresses): a
+        model that registers slots after training started reserves them first.
+        """
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise SlotError(f"reserve() takes a number of slots >= 0; got {slots!r}")
+        self._state.reserve(slots)
 
     # --------------------------------------------------------------- phases
     def begin_forward(self) -> None:
@@ -239,57 +251,52 @@ class ScalingStateManager:
         self._begin(Phase.BACKWARD, "begin_backward()")
 
     def _begin(self, phase: Phase, call: str) -> None:
-        st = self._state
-        if st.blocks and phase is not Phase.RECOMPUTE:
+        phases = self._state.phases
+        if phases.blocks and phase is not Phase.RECOMPUTE:
             raise PhaseError(
-                f"{call} called inside `with manager.{st.blocks[-1][0].value}()`, which sets the "
+                f"{call} called inside `with manager.{phases.blocks[-1][0].value}()`, which sets the "
                 "phase itself and restores it on exit; leave the block first, or use either "
                 "the blocks or the begin_*() calls, not both"
             )
-        st.phase = phase
+        phases.phase = phase
 
-    @contextlib.contextmanager
-    def forward(self) -> Iterator[ScalingStateManager]:
+    def forward(self) -> contextlib.AbstractContextManager[ScalingStateManager]:
         """A training forward block: ``with manager.forward(): loss = model(x)``."""
-        with self._block(Phase.FORWARD):
-            yield self
+        return self._block(Phase.FORWARD)
 
-    @contextlib.contextmanager
-    def recompute(self) -> Iterator[ScalingStateManager]:
+    def recompute(self) -> contextlib.AbstractContextManager[ScalingStateManager]:
         """A recompute block (allowed inside any other block)."""
-        with self._block(Phase.RECOMPUTE):
-            yield self
+        return self._block(Phase.RECOMPUTE)
 
-    @contextlib.contextmanager
-    def backward(self) -> Iterator[ScalingStateManager]:
+    def backward(self) -> contextlib.AbstractContextManager[ScalingStateManager]:
         """A backward block: ``with manager.backward(): loss.backward()``."""
-        with self._block(Phase.BACKWARD):
-            yield self
+        return self._block(Phase.BACKWARD)
 
     @contextlib.contextmanager
-    def _block(self, phase: Phase) -> Iterator[None]:
-        st = self._state
+    def _block(self, phase: Phase) -> Iterator[ScalingStateManager]:
+        phases = self._state.phases
         if phase is not Phase.RECOMPUTE:
-            for open_phase, _ in st.blocks:
+            for open_phase, _ in phases.blocks:
                 if open_phase is not phase:
                     raise PhaseError(
                         f"`with manager.{phase.value}()` entered inside "
                         f"`with manager.{open_phase.value}()`; close the "
                         f"{open_phase.value} block before starting a {phase.value} block"
                     )
-        st.blocks.append((phase, st.phase))
-        st.phase = phase
+        phases.blocks.append((phase, phases.phase))
+        phases.phase = phase
         try:
-            yield
+            yield self
         finally:
-            _, st.phase = st.blocks.pop()
+            _, phases.phase = phases.blocks.pop()
 
     # ----------------------------------------------------------------- step
     def step(self) -> None:
         """End the step: roll every history, derive new scales, clear the accumulators.
 
         Call once per optimizer step, after all microbatches' backward passes.
-        One fused backend update for all slots; no host-device sync.
+        One fused backend update for all slots; no host-device sync. Resets the
+        calling thread's phase to ``IDLE``.
 
         Raises:
             PhaseError: called inside a phase block, or a slot's backward was
@@ -297,140 +304,154 @@ class ScalingStateManager:
                 evaluation), which would leave its forward scales unfed.
         """
         st = self._state
-        if st.blocks:
+        if st.phases.blocks:
             raise PhaseError(
-                f"step() called inside `with manager.{st.blocks[-1][0].value}()`; call step() "
+                f"step() called inside `with manager.{st.phases.blocks[-1][0].value}()`; call step() "
                 "once per optimizer step, after the forward and backward blocks have closed"
             )
         self._check_forward_recorded()
-        r = self._recipe
-        self.backend.update(
-            st.history, st.scales, st.step_amax, st.fp8_max,
-            amax_compute=r.amax_compute, margin=r.margin, power_of_2=r.power_of_2,
-        )
+        self.backend.update(st.step_update(self._rule))
+        st.freeze()
         st.end_step()
+        st.phases.phase = Phase.IDLE
 
     def _check_forward_recorded(self) -> None:
         st = self._state
         for name in sorted(st.backward_recorded - st.forward_recorded):
-            handle = st.handles[name]
-            if any(role.direction is Direction.FORWARD for role in handle.roles):
+            if any(role.direction is Direction.FORWARD for role in self._handles[name].roles):
                 raise PhaseError(
                     f"slot {name!r} was cast for GRAD_OUTPUT in this step, but none of its forward "
                     "casts was recorded: they ran with grad disabled and no phase set, so they "
                     "counted as evaluation. Run the training forward inside "
-                    "`with manager.forward():` (or after begin_forward()), and make forward-role "
-                    "casts in the module's forward, not inside autograd.Function.forward"
+                    "`with manager.forward():` (or after begin_forward())"
                 )
 
     # ----------------------------------------------------------------- casts
-    def _classify_forward(self, name: str, role: Role) -> CastKind:
-        phase = self._state.phase
-        if phase is Phase.RECOMPUTE or in_marked_recompute() or in_autograd_backward():
-            return CastKind.RECOMPUTE
-        if phase is Phase.FORWARD or in_marked_training_forward():
-            return CastKind.RECORD
-        grad = torch.is_grad_enabled()
-        if phase is Phase.BACKWARD:
-            if not grad:
-                return CastKind.EVALUATION
+    def _cast(self, slot: Slot, x: Tensor, transpose: bool) -> Quantized:
+        """A handle's cast: classify it, then cast through the backend (see ScalingHandle.quantize)."""
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            raise CastError(
+                f"slot {slot.name!r} {slot.role.name}: expected a floating-point tensor; "
+                f"got {x.dtype if isinstance(x, Tensor) else type(x).__name__}"
+            )
+        if transpose and x.dim() != 2:
+            raise CastError(
+                f"slot {slot.name!r} {slot.role.name}: transpose=True needs a 2-d tensor; got shape {tuple(x.shape)}"
+            )
+        st = self._state
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            _settle_during_trace(self, x.device)
+        elif not (st.pinned and self._backend_checked) or x.device != st.device:
+            self._settle(x.device)
+        kind = self._classify(slot, compiling) if slot.forward else CastKind.RECORD
+        if slot.role is Role.WEIGHT and not compiling:
+            return self._cast_weight(slot, x, kind, transpose)
+        if st.checker is not None and not compiling and kind is not CastKind.EVALUATION:
+            q, amax = self._cast_keeping_amax(slot, x, transpose, compiling)
+            self._record(slot, kind, amax)
+            return q
+        # Eager casts reuse views made once; compiled code derives them from the buffers itself.
+        scale, acc = (st.scale_of(slot), st.accumulator_of(slot)) if compiling else st.views_of(slot)
+        record = acc if kind is CastKind.RECORD else None
+        jit = st.jit(slot, delayed=self._delayed, compiling=compiling)
+        request = CastRequest(x.detach() if x.requires_grad else x, slot.spec, scale, jit, record, transpose)
+        q = self._checked.cast(request)
+        if record is not None and not compiling:
+            (st.forward_recorded if slot.forward else st.backward_recorded).add(slot.name)
+        return q
+
+    def _classify(self, slot: Slot, compiling: bool) -> CastKind:
+        signals = read_signals(self._state.phases.phase, compiling=compiling)
+        kind = classify(Direction.FORWARD, signals, None if compiling else in_training_function_forward)
+        if kind is CastKind.MISPLACED:
             raise PhaseError(
-                f"{role.name} cast of slot {name!r} in the BACKWARD phase, outside autograd's "
+                f"{slot.role.name} cast of slot {slot.name!r} in the BACKWARD phase, outside autograd's "
                 "backward: call begin_forward() before a new forward pass, begin_recompute() "
                 "before recomputing one, or run an evaluation pass under torch.no_grad()"
             )
-        if grad or in_reentrant_checkpoint_forward():
-            return CastKind.RECORD
-        return CastKind.EVALUATION
+        return kind
 
-    def _cast(self, name: str, row: int, role: Role, x: Tensor) -> Quantized:
-        if not isinstance(x, Tensor) or not x.is_floating_point():
-            raise ScaleStateError(
-                f"slot {name!r} {role.name}: expected a floating-point tensor; "
-                f"got {x.dtype if isinstance(x, Tensor) else type(x).__name__}"
-            )
+    def _cast_keeping_amax(self, slot: Slot, x: Tensor, transpose: bool, compiling: bool) -> tuple[Quantized, Tensor]:
+        """A cast that records its amax into a fresh 0-d tensor (for the cache and debug mode)."""
         st = self._state
-        if x.device != st.device:
-            self._follow_device(x.device, name)
-        st.pinned = True
-        forward = role.direction is Direction.FORWARD
-        kind = self._classify_forward(name, role) if forward else CastKind.RECORD
-        if role is Role.WEIGHT:
-            q, amax = self._weight_cast(row, x)
-        else:
-            q, amax = self.backend.quantize(x.detach(), st.scales[row], st.slots[row].spec, self._jit(row))
-        if kind is CastKind.RECORD:
-            acc = st.step_amax[row]
-            torch.maximum(acc, amax, out=acc)
-            (st.forward_recorded if forward else st.backward_recorded).add(name)
-            if self._debug and forward:
-                st.forward_amaxes.setdefault(row, []).append(float(amax))
-        elif kind is CastKind.RECOMPUTE and self._debug:
-            self._check_recompute(row, float(amax))
-        return q
-
-    def _jit(self, row: int) -> bool | Tensor:
-        """Whether the cast scales from its own tensor: always for current scaling,
-        and for delayed scaling while the slot has no history (its newest entry is 0).
-        Decided on the host where that is free, else on the device (no sync)."""
-        st = self._state
-        if not self._recipe.delayed or row in st.fresh_rows:
-            return True
-        if st.history_known:
-            return False
-        return st.history[row, -1] <= 0
-
-    def _weight_cast(self, row: int, x: Tensor) -> tuple[Quantized, Tensor]:
-        st = self._state
-        entry = st.weight_casts.get(row)
-        if entry is not None and entry.matches(x, st.epoch):
-            return entry.quantized, entry.amax
-        q, amax = self.backend.quantize(x.detach(), st.scales[row], st.slots[row].spec, self._jit(row))
-        # Inference tensors (made in, or cast from, inference mode) track no version
-        # and cannot be saved for a later training backward: never cache them.
-        if torch.is_inference_mode_enabled() or x.is_inference():
-            return q, amax
-        st.weight_casts[row] = CachedCast(weakref.ref(x), x.data_ptr(), x._version, st.epoch, q, amax)
+        amax = torch.zeros((), dtype=torch.float32, device=st.device)
+        jit = st.jit(slot, delayed=self._delayed, compiling=compiling)
+        q = self._checked.cast(CastRequest(x.detach(), slot.spec, st.views_of(slot)[0], jit, amax, transpose))
         return q, amax
 
-    def _check_recompute(self, row: int, amax: float) -> None:
-        pending = self._state.forward_amaxes.get(row, [])
-        for i, seen in enumerate(pending):
-            if seen == amax or (math.isnan(seen) and math.isnan(amax)):
-                del pending[i]
-                return
-        slot = self._state.slots[row]
-        forward = f"amax {pending[0]!r}" if pending else "nothing (no unmatched forward cast in this step)"
-        raise RecomputeMismatchError(
-            f"recompute of slot {slot.name!r} ({slot.role.name}) at step {self.iteration} observed "
-            f"amax {amax!r}, but its forward observed {forward}. The recomputed region is not "
-            "deterministic: dropout or other random ops without preserved RNG state, "
-            "data-dependent control flow, or an input modified in place between forward and backward"
-        )
-
-    def _follow_device(self, device: torch.device, name: str) -> None:
+    def _cast_weight(self, slot: Slot, x: Tensor, kind: CastKind, transpose: bool) -> Quantized:
+        """Weights are cast once per (tensor version, scale epoch); every training use records."""
         st = self._state
-        if st.pinned:
-            raise ScaleStateError(
-                f"slot {name!r} cast a tensor on {device}, but this manager's state lives on "
-                f"{st.device} and is already in use; use one manager per device, or call "
-                f"manager.to({str(device)!r}) between steps"
-            )
-        st.to(device)
-        self._recheck_backend()
+        entry = st.casts.get(slot, x, st.epoch)
+        if entry is not None and (entry.quantized.transposed is not None or not transpose):
+            q, amax = entry.quantized, entry.amax
+        else:
+            q, amax = self._cast_keeping_amax(slot, x, transpose, compiling=False)
+            st.casts.put(slot, x, st.epoch, q, amax)
+        self._record(slot, kind, amax)
+        return q
+
+    def _record(self, slot: Slot, kind: CastKind, amax: Tensor) -> None:
+        """Account for a cast whose amax is known: max it in if recorded; feed debug mode."""
+        st = self._state
+        if kind is CastKind.RECORD:
+            acc = st.views_of(slot)[1]
+            torch.maximum(acc, amax, out=acc)
+            (st.forward_recorded if slot.forward else st.backward_recorded).add(slot.name)
+        if st.checker is not None and slot.forward:
+            if kind is CastKind.RECORD:
+                st.checker.forward(slot, float(amax))
+            elif kind is CastKind.RECOMPUTE:
+                st.checker.recompute(slot, float(amax), st.iteration)
+
+    def _scale_of(self, slot: Slot) -> Tensor:
+        return self._state.scale_of(slot).clone()
+
+    def _history_of(self, slot: Slot) -> Tensor:
+        return self._state.history_of(slot).clone()
+
+    # --------------------------------------------------------------- device
+    def _settle(self, device: torch.device | None) -> None:
+        """Fix the state's device (following the first tensor cast) and check the backend for it.
+
+        ``device=None`` checks the backend for the state's current device only.
+        """
+        st = self._state
+        if device is None:
+            if not self._backend_checked:
+                self._check_backend()
+            return
+        if device != st.device:
+            if st.pinned:
+                raise ScaleStateError(
+                    f"a tensor on {device} was cast, but this manager's state lives on {st.device} and "
+                    f"is already in use; use one manager per device, or call manager.to({str(device)!r}) "
+                    "between steps"
+                )
+            st.to(device)
+            self._forget_backend_check()
+        st.pinned = True
+        if not self._backend_checked:
+            self._check_backend()
+
+    def _forget_backend_check(self) -> None:
+        self._backend_checked = False
+        if self._backend_name == "auto":
+            self._backend = None
 
     def to(self, device: torch.device | str) -> ScalingStateManager:
         """Move the state to ``device``, every value kept (a step's pending amaxes too).
 
         Not inside a phase block. The backend is checked (or, for ``"auto"``,
-        chosen again) for the new device.
+        chosen again) for the new device. The buffers move: CUDA graphs
+        captured before must be captured again.
         """
-        if self._state.blocks:
+        if self._state.phases.blocks:
             raise PhaseError("to() called inside a phase block; move the state between steps")
         self._state.to(_canonical(torch.device(device)))
-        self._state.pinned = True
-        self._recheck_backend()
-        self._checked_backend()
+        self._forget_backend_check()
+        self._settle(self._state.device)
         return self
 
     def invalidate_casts(self) -> None:
@@ -440,7 +461,7 @@ class ScalingStateManager:
         version counter does not see; every other in-place change, optimizer
         steps and ``load_state_dict`` included, is detected by itself.
         """
-        self._state.weight_casts.clear()
+        self._state.casts.clear()
 
     # ---------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:
@@ -455,9 +476,9 @@ class ScalingStateManager:
             StateDictError: missing keys, another recipe, other slots, bad shapes or values.
         """
         st = self._state
-        if st.blocks:
+        if st.phases.blocks:
             raise PhaseError(
-                f"load_state_dict() called inside `with manager.{st.blocks[-1][0].value}()`; "
+                f"load_state_dict() called inside `with manager.{st.phases.blocks[-1][0].value}()`; "
                 "load between steps: after step() and before the next forward"
             )
         if st.forward_recorded or st.backward_recorded:
@@ -466,14 +487,22 @@ class ScalingStateManager:
                 "last step()); load between steps: after step() and before the next forward"
             )
         loaded = validate(state_dict, st, self._recipe)
-        st.history.copy_(loaded.history)
-        st.scales.copy_(loaded.scales)
-        st.step_amax.copy_(loaded.step_amax)
-        st.iteration = loaded.iteration
-        st.epoch += 1
-        st.refresh_history_rows()
-        st.weight_casts.clear()
-        st.forward_amaxes.clear()
+        st.load(loaded.history, loaded.scales, loaded.step_amax, loaded.iteration)
+
+
+def _settle(manager: ScalingStateManager, device: torch.device | None) -> bool:
+    manager._settle(device)
+    return True
+
+
+#: ``manager._settle(device)``, run for real even while ``torch.compile`` traces.
+#: Fixing the device and checking the backend happens once, before the first
+#: cast; when that first cast is inside a compiled region, the compiler runs
+#: this eagerly at trace time (it is not traced, so the compiled code never
+#: sees the state it sets change) and keeps tracing with the settled state.
+_settle_during_trace: Callable[[ScalingStateManager, torch.device | None], bool] = (
+    torch._dynamo.assume_constant_result(_settle)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+)
 
 
 def _canonical(device: torch.device) -> torch.device:

@@ -10,22 +10,24 @@ The rules (per slot, per step):
 * ``roll_history``: if the step's amax is ``> 0`` and finite, drop the oldest
   entry and append it (newest last); otherwise leave the history as it is.
 * ``amax_from_history``: ``max(history)`` or the newest entry.
-* ``scale_from_amax``: ``fp8_max / amax / 2**margin``; an infinite result
-  becomes the float32 max; optionally rounded down to a power of two; never
-  below the smallest normal float32; an amax that is zero or not finite keeps
-  the previous scale.
+* ``scale_from_amax``: ``fp8_max / amax / 2**margin`` (a true float32
+  division), clamped to ``[smallest normal float32, largest float32]`` (so an
+  infinite result becomes the float32 max), then optionally rounded down to a
+  power of two; an amax that is zero or not finite keeps the previous scale.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+import attrs
 import torch
 from torch import Tensor
 
 __all__ = [
     "FLOAT32_MAX",
     "FLOAT32_TINY",
+    "ScaleRule",
     "amax_from_history",
     "is_usable_amax",
     "pow2_floor",
@@ -36,32 +38,54 @@ __all__ = [
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
+_EXPONENT_BITS = 0x7F800000
 
 Number = float | Tensor
 
 
+@attrs.frozen
+class ScaleRule:
+    """How a scale is derived from an amax: the part of a recipe the math needs.
+
+    Example:
+        >>> import torch
+        >>> from scalestate.math import ScaleRule, scale_from_amax
+        >>> scale_from_amax(torch.tensor(3.0), 448.0, ScaleRule(power_of_2=True))
+        tensor(128.)
+    """
+
+    #: ``"max"``: scale from the largest amax in the history; ``"most_recent"``: the newest.
+    amax_compute: Literal["max", "most_recent"] = "max"
+    #: Headroom: the scale is divided by ``2**margin``.
+    margin: int = 0
+    #: Round each scale down to a power of two.
+    power_of_2: bool = False
+
+
 def is_usable_amax(amax: Tensor) -> Tensor:
     """True where an amax may enter a history or yield a scale: ``> 0`` and finite."""
-    return (amax > 0) & torch.isfinite(amax)
+    return (amax > 0) & (amax < float("inf"))
 
 
-def roll_history(history: Tensor, amax: Tensor) -> Tensor:
+def roll_history(history: Tensor, amax: Tensor, *, out: Tensor | None = None) -> Tensor:
     """Append ``amax`` to ``history`` (newest last) where it is usable.
 
     Args:
         history: ``[..., H]`` past amaxes, oldest first.
         amax: ``[...]`` the step's amax per slot (0 where the slot did not run).
+        out: where to write the result (may be ``history`` itself).
 
     Returns:
-        A new ``[..., H]`` tensor; rows whose amax is zero or not finite are unchanged.
+        The rolled ``[..., H]`` history; rows whose amax is zero or not finite are unchanged.
     """
     rolled = torch.cat([history[..., 1:], amax.unsqueeze(-1).to(history.dtype)], dim=-1)
-    return torch.where(is_usable_amax(amax).unsqueeze(-1), rolled, history)
+    keep = is_usable_amax(amax).unsqueeze(-1)
+    if out is None:
+        return torch.where(keep, rolled, history)
+    return torch.where(keep, rolled, history, out=out)
 
 
-def amax_from_history(
-    history: Tensor, amax_compute: Literal["max", "most_recent"]
-) -> Tensor:
+def amax_from_history(history: Tensor, amax_compute: Literal["max", "most_recent"]) -> Tensor:
     """The amax a scale is derived from: the history's max, or its newest entry."""
     if amax_compute == "max":
         return history.amax(dim=-1)
@@ -69,42 +93,49 @@ def amax_from_history(
 
 
 def pow2_floor(x: Tensor) -> Tensor:
-    """Round positive finite values down to a power of two, exactly (via frexp)."""
-    _, exponent = torch.frexp(x)
-    return torch.ldexp(torch.ones_like(x), exponent - 1)
+    """Round positive normal float32 values down to a power of two, exactly.
+
+    Keeps the exponent bits and clears the mantissa (one bitwise operation).
+    Only defined for positive finite *normal* float32 values (``>=``
+    :data:`FLOAT32_TINY`), which is what :func:`scale_from_amax` passes it.
+    """
+    bits = torch.bitwise_and(x.contiguous().view(torch.int32), _EXPONENT_BITS)
+    return bits.view(torch.float32)
 
 
 def scale_from_amax(
     amax: Tensor,
     fp8_max: Number,
+    rule: ScaleRule = ScaleRule(),
     *,
-    margin: int = 0,
-    power_of_2: bool = False,
     previous: Number = 1.0,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """The scale that maps ``amax`` onto ``fp8_max``, with ``2**margin`` headroom.
+    """The scale that maps ``amax`` onto ``fp8_max``, with ``2**rule.margin`` headroom.
 
     Args:
         amax: amax per slot (any shape), float32.
         fp8_max: largest finite value of the target format, a float or a
             tensor broadcastable to ``amax``.
-        margin: the scale is divided by ``2**margin``.
-        power_of_2: round the scale down to a power of two.
+        rule: margin and power-of-two rounding (``amax_compute`` is not used here).
         previous: the scale kept where ``amax`` is zero or not finite.
+        out: where to write the result (may be ``previous`` itself).
 
     Returns:
-        float32 scales, finite and ``> 0`` wherever ``previous`` is.
+        float32 scales in ``[FLOAT32_TINY, FLOAT32_MAX]`` wherever ``amax`` is
+        usable, ``previous`` elsewhere.
     """
-    amax = amax.float()
-    scale = torch.div(fp8_max, amax)
-    if margin:
-        scale = scale / (2.0**margin)
-    scale = torch.where(torch.isinf(scale), FLOAT32_MAX, scale)
-    if power_of_2:
+    scale = torch.div(fp8_max, amax.float())  # a true division, not reciprocal * fp8_max
+    if rule.margin:
+        scale = scale / (2.0**rule.margin)
+    scale = scale.clamp(FLOAT32_TINY, FLOAT32_MAX)
+    if rule.power_of_2:
         scale = pow2_floor(scale)
-    scale = scale.clamp(min=FLOAT32_TINY)
-    prev = previous if isinstance(previous, Tensor) else torch.full_like(scale, previous)
-    return torch.where(is_usable_amax(amax), scale, prev)
+    usable = is_usable_amax(amax)
+    kept = previous if isinstance(previous, Tensor) else torch.full_like(scale, previous)
+    if out is None:
+        return torch.where(usable, scale, kept)
+    return torch.where(usable, scale, kept, out=out)
 
 
 def update_scales(
@@ -112,10 +143,9 @@ def update_scales(
     scales: Tensor,
     step_amax: Tensor,
     fp8_max: Tensor,
+    rule: ScaleRule,
     *,
-    amax_compute: Literal["max", "most_recent"],
-    margin: int,
-    power_of_2: bool,
+    in_place: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """One step's update of every slot: roll histories, then derive scales.
 
@@ -124,13 +154,14 @@ def update_scales(
         scales: ``[N]`` current scales (kept where no usable amax exists).
         step_amax: ``[N]`` max-reduced amax of the step (0 where a slot did not run).
         fp8_max: ``[N]`` format maximum per slot.
+        rule: how scales follow from the history.
+        in_place: write the results into ``history`` and ``scales`` (their
+            storage never changes) instead of new tensors.
 
     Returns:
-        ``(new_history, new_scales)``.
+        ``(new_history, new_scales)`` (``history`` and ``scales`` themselves when ``in_place``).
     """
-    new_history = roll_history(history, step_amax)
-    amax = amax_from_history(new_history, amax_compute)
-    new_scales = scale_from_amax(
-        amax, fp8_max, margin=margin, power_of_2=power_of_2, previous=scales
-    )
+    new_history = roll_history(history, step_amax, out=history if in_place else None)
+    amax = amax_from_history(new_history, rule.amax_compute)
+    new_scales = scale_from_amax(amax, fp8_max, rule, previous=scales, out=scales if in_place else None)
     return new_history, new_scales

@@ -1,8 +1,8 @@
 """Phases, and how each cast is classified.
 
-The manager has an explicit phase, set by ``begin_*()`` calls or the
-``forward()`` / ``recompute()`` / ``backward()`` blocks. A cast of a
-forward role (``INPUT``, ``WEIGHT``) is then one of:
+The manager has an explicit phase *per thread* (like torch's grad mode), set
+by ``begin_*()`` calls or the ``forward()`` / ``recompute()`` / ``backward()``
+blocks. A cast of a forward role (``INPUT``, ``WEIGHT``) is then one of:
 
 * **recorded**: a training forward; its amax goes into the step accumulator;
 * **recompute**: activation checkpointing re-running a forward; it uses the
@@ -11,32 +11,39 @@ forward role (``INPUT``, ``WEIGHT``) is then one of:
 
 Casts of backward roles (``GRAD_OUTPUT``) are always recorded.
 
-Recompute is recognised, in this order, by: the explicit ``RECOMPUTE`` phase;
-a region marked by :func:`scalestate.checkpoint`; or the cast running inside
-autograd's backward (every torch checkpoint mechanism recomputes there).
-
-With no explicit phase, a forward cast with grad enabled is recorded and one
-with grad disabled is evaluation, except inside the forward of
-``torch.utils.checkpoint(use_reentrant=True)``, which runs under ``no_grad``
-and is recognised as training.
+:func:`classify` decides, as a pure function of the :class:`Signals` read at
+the cast. Recompute is recognised, in this order, by: the explicit
+``RECOMPUTE`` phase; a region marked by :func:`scalestate.checkpoint`; or the
+cast running inside autograd's backward (every torch checkpoint mechanism
+recomputes there). With no explicit phase, a forward cast with grad enabled
+is recorded. One with grad disabled is evaluation, unless it runs inside the
+forward of an ``autograd.Function`` through which torch will propagate
+gradients: the forward of ``torch.utils.checkpoint(use_reentrant=True)``
+runs its region under ``no_grad`` in a training pass, and only there does
+torch wire the Function's graph node to its inputs. Under a user's
+``torch.no_grad()`` no node is wired, so no gradient can flow: evaluation.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import enum
 import sys
-from collections.abc import Iterator
-from types import CodeType, FrameType
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import NamedTuple
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
-__all__ = ["CastKind", "Phase"]
+from scalestate.recipe import Direction
+
+__all__ = ["CastKind", "Phase", "PhaseStack", "Signals", "classify", "read_signals"]
 
 
 class Phase(enum.Enum):
-    """The manager's explicit phase."""
+    """The manager's explicit phase (per thread)."""
 
     #: No phase set: between steps, or a loop that sets none.
     IDLE = "idle"
@@ -54,76 +61,127 @@ class CastKind(enum.Enum):
     RECORD = "record"
     RECOMPUTE = "recompute"
     EVALUATION = "evaluation"
+    #: A forward cast with grad enabled in the BACKWARD phase, outside
+    #: autograd's backward: a new forward without begin_forward(). An error.
+    MISPLACED = "misplaced"
 
 
-# Markers of the running code, like torch's grad mode: they describe the
-# region being executed, not any manager's state, so every manager sees them.
-_recompute_depth: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "scalestate_recompute_depth", default=0
-)
-_training_forward_depth: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "scalestate_training_forward_depth", default=0
-)
+class PhaseStack(threading.local):
+    """One manager's phase and open blocks, separately for every thread."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.IDLE
+        #: Open blocks: (the block's phase, the phase to restore on exit).
+        self.blocks: list[tuple[Phase, Phase]] = []
+
+
+class _Marks(threading.local):
+    """Markers of the code being run on this thread, like torch's grad mode: they
+    describe a region (set by :func:`scalestate.checkpoint`), not any manager's
+    state, so every manager sees them."""
+
+    recompute = 0
+    training = 0
+
+
+_marks = _Marks()
 
 
 @contextlib.contextmanager
-def _marked(var: contextvars.ContextVar[int]) -> Iterator[None]:
-    token = var.set(var.get() + 1)
+def recompute_region() -> Iterator[None]:
+    """Mark the code run inside as a recompute, for every manager."""
+    _marks.recompute += 1
     try:
         yield
     finally:
-        var.reset(token)
+        _marks.recompute -= 1
 
 
-def recompute_region() -> contextlib.AbstractContextManager[None]:
-    """Mark the code run inside as a recompute, for every manager."""
-    return _marked(_recompute_depth)
-
-
-def training_forward_region() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def training_forward_region() -> Iterator[None]:
     """Mark the code run inside as a training forward even with grad disabled."""
-    return _marked(_training_forward_depth)
+    _marks.training += 1
+    try:
+        yield
+    finally:
+        _marks.training -= 1
 
 
-def in_marked_recompute() -> bool:
-    """True inside :func:`recompute_region`."""
-    return _recompute_depth.get() > 0
+class Signals(NamedTuple):
+    """What the code around a cast says about it (read by :func:`read_signals`)."""
+
+    #: The calling thread's explicit phase.
+    phase: Phase
+    #: ``torch.is_grad_enabled()``.
+    grad_enabled: bool
+    #: Whether autograd's engine runs a backward on this thread; ``None`` where
+    #: it cannot be known (while ``torch.compile`` traces).
+    in_backward: bool | None
+    #: Inside :func:`recompute_region`.
+    recompute_mark: bool
+    #: Inside :func:`training_forward_region`.
+    training_mark: bool
 
 
-def in_marked_training_forward() -> bool:
-    """True inside :func:`training_forward_region`."""
-    return _training_forward_depth.get() > 0
+def read_signals(phase: Phase, *, compiling: bool) -> Signals:
+    """The signals of the current thread for a cast made now."""
+    return Signals(
+        phase=phase,
+        grad_enabled=torch.is_grad_enabled(),
+        in_backward=None if compiling else torch._C._current_graph_task_id() != -1,
+        recompute_mark=_marks.recompute > 0,
+        training_mark=_marks.training > 0,
+    )
 
 
-def in_autograd_backward() -> bool:
-    """True while autograd's engine runs a backward pass on this thread."""
-    return bool(torch._C._current_graph_task_id() != -1)
+def classify(
+    direction: Direction, signals: Signals, in_training_function: Callable[[], bool] | None = None
+) -> CastKind:
+    """What a cast of a role of ``direction`` counts as, given ``signals``.
 
-
-def _reentrant_forward_code() -> CodeType | None:
-    fn = getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None)
-    return getattr(fn, "__code__", None)
-
-
-_REENTRANT_FORWARD = _reentrant_forward_code()
-
-
-def in_reentrant_checkpoint_forward() -> bool:
-    """True inside a training forward of ``torch.utils.checkpoint(use_reentrant=True)``.
-
-    That forward runs its function under ``torch.no_grad()``, which would
-    otherwise read as evaluation. It is training when one of its tensor inputs
-    requires grad (without one, torch's reentrant checkpoint produces no
-    gradients at all: that is an evaluation pass through a checkpointed model).
-    Only consulted for casts with grad disabled and no explicit phase, so
-    training with grad enabled, and explicit loops, never pay for the look.
+    Args:
+        direction: the role's direction; backward casts are always recorded.
+        signals: read at the cast.
+        in_training_function: asked only for a forward cast with grad disabled
+            and no phase, mark or backward to decide it (it may be slow):
+            whether the cast runs inside the forward of an ``autograd.Function``
+            that torch will propagate gradients through. ``None`` where that
+            cannot be asked (while compiling): such a cast is evaluation.
     """
-    if _REENTRANT_FORWARD is None:
-        return False
+    if direction is Direction.BACKWARD:
+        return CastKind.RECORD
+    if signals.phase is Phase.RECOMPUTE or signals.recompute_mark or signals.in_backward:
+        return CastKind.RECOMPUTE
+    if signals.phase is Phase.FORWARD or signals.training_mark:
+        return CastKind.RECORD
+    if signals.phase is Phase.BACKWARD:
+        if not signals.grad_enabled:
+            return CastKind.EVALUATION
+        # While compiling, the engine's state is unknown; a forward cast with grad
+        # enabled in the BACKWARD phase can then only be a recompute.
+        return CastKind.RECOMPUTE if signals.in_backward is None else CastKind.MISPLACED
+    if signals.grad_enabled:
+        return CastKind.RECORD
+    if in_training_function is not None and in_training_function():
+        return CastKind.RECORD
+    return CastKind.EVALUATION
+
+
+def in_training_function_forward() -> bool:
+    """True inside the forward of an ``autograd.Function`` that gradients will flow through.
+
+    ``Function.apply`` runs ``forward`` under ``no_grad`` whatever the caller's
+    grad mode; torch wires the Function's graph node (its ``ctx``, the first
+    argument of ``forward``) to the inputs that need gradients only when grad
+    was enabled at the call. A wired node is therefore a training pass; an
+    unwired one is not. Walks this thread's stack; not inside ``torch.compile``.
+    """
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is _REENTRANT_FORWARD:
-            args = frame.f_locals.get("args", ())
-            return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_argcount:
+            ctx = frame.f_locals.get(code.co_varnames[0])
+            if isinstance(ctx, BackwardCFunction) and any(node is not None for node, _ in ctx.next_functions):
+                return True
         frame = frame.f_back
     return False

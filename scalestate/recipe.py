@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from scalestate.errors import RecipeError
+from scalestate.math import ScaleRule
 
 __all__ = [
     "CurrentScaling",
@@ -142,6 +143,11 @@ class DelayedScaling:
         """True: scales come from the history of earlier steps."""
         return True
 
+    @property
+    def rule(self) -> ScaleRule:
+        """How scales follow from amaxes under this recipe."""
+        return ScaleRule(amax_compute=self.amax_compute, margin=self.margin, power_of_2=self.power_of_2)
+
 
 @attrs.frozen
 class CurrentScaling:
@@ -181,6 +187,11 @@ class CurrentScaling:
     def margin(self) -> int:
         """No headroom: the tensor's own amax is known exactly."""
         return 0
+
+    @property
+    def rule(self) -> ScaleRule:
+        """How scales follow from amaxes under this recipe."""
+        return ScaleRule(amax_compute="most_recent", margin=0, power_of_2=self.power_of_2)
 
 
 Recipe = DelayedScaling | CurrentScaling

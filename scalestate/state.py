@@ -2,143 +2,262 @@
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING
-
 import attrs
 import torch
 from torch import Tensor
 
-from scalestate.backends.base import CastSpec
-from scalestate.phase import Phase
-from scalestate.quantized import Quantized
-from scalestate.recipe import Role
+from scalestate.backends.base import CastSpec, StepUpdate
+from scalestate.cache import WeightCastCache
+from scalestate.debug import RecomputeChecker
+from scalestate.errors import SlotError
+from scalestate.math import ScaleRule
+from scalestate.phase import PhaseStack
+from scalestate.recipe import Direction, Role
 
-if TYPE_CHECKING:
-    from scalestate.handle import ScalingHandle
+__all__ = ["Slot", "State"]
 
-__all__ = ["CachedCast", "Slot", "State"]
+#: Rows of the first allocation; capacity doubles from there.
+_FIRST_CAPACITY = 16
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class Slot:
-    """One (name, role) pair: a row of every buffer."""
+    """One (name, role) pair: a row of every buffer.
+
+    Handles hold slots as opaque references and hand them back to their
+    manager; only the manager and its :class:`State` read the fields.
+    """
 
     name: str
     role: Role
     spec: CastSpec
+    row: int
+    #: The role is cast in the forward pass (INPUT, WEIGHT).
+    forward: bool
 
 
-@attrs.frozen(eq=False)
-class CachedCast:
-    """A weight cast, valid while the weight and the scale epoch are unchanged."""
-
-    source: weakref.ref[Tensor]
-    data_ptr: int
-    version: int
-    epoch: int
-    quantized: Quantized
-    amax: Tensor
-
-    def matches(self, x: Tensor, epoch: int) -> bool:
-        """True if ``x`` is the very tensor cast, unmodified, in this epoch."""
-        return (
-            self.epoch == epoch
-            and self.source() is x
-            and self.version == x._version
-            and self.data_ptr == x.data_ptr()
-        )
-
-
-@attrs.define(eq=False)
 class State:
-    """Slot buffers (one contiguous tensor each, a row per slot) and bookkeeping.
+    """Slot buffers and the bookkeeping of a step, owned by one manager.
 
-    Buffers grow by concatenation as slots register; nothing keeps views into
-    them, so growing never leaves a stale reference behind.
+    Every kind of per-slot value lives in one contiguous float32 buffer with a
+    row per slot (``[capacity, H]`` histories, ``[capacity]`` scales, step
+    accumulators and format maxima); the properties :attr:`history`,
+    :attr:`scales`, :attr:`step_amax` and :attr:`fp8_max` are views of the
+    rows in use. Registration fills free rows, doubling the capacity when
+    none is left (amortized O(1) per slot). Once :meth:`freeze` has run (at the
+    first step) buffers never move again, so CUDA graphs and external views
+    stay valid; a registration that would need more rows then raises,
+    unless capacity was reserved beforehand.
     """
 
-    device: torch.device
-    history_len: int
-    #: ``[N, H]`` amax history per slot, newest last.
-    history: Tensor = attrs.field(init=False)
-    #: ``[N]`` current scale per slot.
-    scales: Tensor = attrs.field(init=False)
-    #: ``[N]`` max of the amaxes recorded since the last step.
-    step_amax: Tensor = attrs.field(init=False)
-    #: ``[N]`` largest finite value of each slot's format.
-    fp8_max: Tensor = attrs.field(init=False)
-    slots: list[Slot] = attrs.Factory(list)
-    handles: dict[str, ScalingHandle] = attrs.Factory(dict)
-    phase: Phase = Phase.IDLE
-    #: Open phase blocks: (the block's phase, the phase to restore on exit).
-    blocks: list[tuple[Phase, Phase]] = attrs.Factory(list)
-    iteration: int = 0
-    #: Bumped whenever scales may change (step, load): invalidates weight casts.
-    epoch: int = 0
-    #: True once a tensor has been cast: the state's device is then fixed.
-    pinned: bool = False
-    #: Rows known to have no history yet (always exact while ``history_known``).
-    fresh_rows: set[int] = attrs.Factory(set)
-    #: True when ``fresh_rows`` lists *every* row without history: before the
-    #: first step, and whenever the state is on the CPU, where reading it back
-    #: is free. On an accelerator the test is left to the device.
-    history_known: bool = True
-    #: Names whose forward / backward casts were recorded in this step.
-    forward_recorded: set[str] = attrs.Factory(set)
-    backward_recorded: set[str] = attrs.Factory(set)
-    weight_casts: dict[int, CachedCast] = attrs.Factory(dict)
-    #: Debug mode: the forward amaxes of this step per row, not yet matched by a recompute.
-    forward_amaxes: dict[int, list[float]] = attrs.Factory(dict)
+    def __init__(self, device: torch.device, history_len: int, *, debug: bool = False) -> None:
+        self._device = device
+        self._history_len = history_len
+        self._capacity = 0
+        self._slots: list[Slot] = []
+        self._history = self._alloc(0, history_len)
+        self._scales = self._alloc(0, fill=1.0)
+        self._step_amax = self._alloc(0)
+        self._fp8_max = self._alloc(0)
+        self._frozen = False
+        #: Per-row views of the scale and accumulator buffers (see views_of).
+        self._views: list[tuple[Tensor, Tensor]] = []
+        #: The device is fixed once a tensor was cast (until an explicit move).
+        self.pinned = False
+        #: Number of step() calls.
+        self.iteration = 0
+        #: Bumped whenever scales may change (step, load): invalidates weight casts.
+        self.epoch = 0
+        #: False until the first step or load: every row is then without history.
+        self._may_have_history = False
+        #: Rows known to have history (a row never loses it).
+        self._with_history: set[int] = set()
+        #: Names whose forward / backward casts were recorded in this step.
+        self.forward_recorded: set[str] = set()
+        self.backward_recorded: set[str] = set()
+        #: Per-thread phases and blocks.
+        self.phases = PhaseStack()
+        #: Cached weight casts.
+        self.casts = WeightCastCache()
+        #: Debug mode's check that recomputes reproduce their forward.
+        self.checker = RecomputeChecker() if debug else None
 
-    def __attrs_post_init__(self) -> None:
-        self.history = self._zeros(0, self.history_len)
-        self.scales = self._zeros(0)
-        self.step_amax = self._zeros(0)
-        self.fp8_max = self._zeros(0)
+    # ------------------------------------------------------------ buffers
+    def _alloc(self, rows: int, cols: int | None = None, *, fill: float = 0.0) -> Tensor:
+        shape = (rows,) if cols is None else (rows, cols)
+        return torch.full(shape, fill, dtype=torch.float32, device=self._device)
 
-    def _zeros(self, *shape: int) -> Tensor:
-        return torch.zeros(shape, dtype=torch.float32, device=self.device)
+    @property
+    def device(self) -> torch.device:
+        """Where the buffers live."""
+        return self._device
 
-    def add_rows(self, slots: list[Slot]) -> list[int]:
-        """Append rows for ``slots`` (zero history, scale 1); return their indices."""
-        first, k = len(self.slots), len(slots)
-        self.history = torch.cat([self.history, self._zeros(k, self.history_len)])
-        self.scales = torch.cat([self.scales, self._zeros(k) + 1])
-        self.step_amax = torch.cat([self.step_amax, self._zeros(k)])
-        maxima = torch.tensor([s.spec.fp8_max for s in slots], dtype=torch.float32, device=self.device)
-        self.fp8_max = torch.cat([self.fp8_max, maxima])
-        self.slots.extend(slots)
-        rows = list(range(first, first + k))
-        self.fresh_rows.update(rows)
-        return rows
+    @property
+    def history_len(self) -> int:
+        """Columns of the history buffer."""
+        return self._history_len
+
+    @property
+    def capacity(self) -> int:
+        """Rows allocated (at least the number of slots)."""
+        return self._capacity
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        """Every slot, in row order."""
+        return tuple(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    @property
+    def history(self) -> Tensor:
+        """``[N, H]`` view of the histories in use, newest last."""
+        return self._history[: len(self._slots)]
+
+    @property
+    def scales(self) -> Tensor:
+        """``[N]`` view of the current scales."""
+        return self._scales[: len(self._slots)]
+
+    @property
+    def step_amax(self) -> Tensor:
+        """``[N]`` view of the amaxes recorded since the last step."""
+        return self._step_amax[: len(self._slots)]
+
+    @property
+    def fp8_max(self) -> Tensor:
+        """``[N]`` view of each slot's format maximum."""
+        return self._fp8_max[: len(self._slots)]
+
+    def scale_of(self, slot: Slot) -> Tensor:
+        """0-d view of ``slot``'s scale."""
+        return self._scales[slot.row]
+
+    def accumulator_of(self, slot: Slot) -> Tensor:
+        """0-d view of ``slot``'s step accumulator."""
+        return self._step_amax[slot.row]
+
+    def views_of(self, slot: Slot) -> tuple[Tensor, Tensor]:
+        """``(scale_of(slot), accumulator_of(slot))``, made once per buffer allocation (eager casts)."""
+        views = self._views
+        if len(views) <= slot.row:
+            views.extend((self._scales[row], self._step_amax[row]) for row in range(len(views), len(self._slots)))
+        return views[slot.row]
+
+    def history_of(self, slot: Slot) -> Tensor:
+        """``[H]`` view of ``slot``'s history."""
+        return self._history[slot.row]
+
+    def step_update(self, rule: ScaleRule) -> StepUpdate:
+        """The buffers in use, as a backend's step update."""
+        return StepUpdate(self.history, self.scales, self.step_amax, self.fp8_max, rule)
+
+    # ------------------------------------------------------- registration
+    def reserve(self, rows: int) -> None:
+        """Make room for ``rows`` slots in all (moving the buffers, so only before the first step)."""
+        if rows <= self._capacity:
+            return
+        if self._frozen:
+            raise SlotError(
+                f"cannot grow the state to {rows} slots after the first step(): its buffers hold "
+                f"{self._capacity} rows and never move once training has started (CUDA graphs and "
+                "external views depend on their addresses). Register every slot before the first "
+                f"step(), or call manager.reserve({rows}) (or more) before it"
+            )
+        n, capacity = len(self._slots), max(self._capacity, _FIRST_CAPACITY)
+        while capacity < rows:
+            capacity *= 2
+        history = self._alloc(capacity, self._history_len)
+        scales = self._alloc(capacity, fill=1.0)
+        step_amax = self._alloc(capacity)
+        fp8_max = self._alloc(capacity)
+        history[:n] = self._history[:n]
+        scales[:n] = self._scales[:n]
+        step_amax[:n] = self._step_amax[:n]
+        fp8_max[:n] = self._fp8_max[:n]
+        self._history, self._scales, self._step_amax, self._fp8_max = history, scales, step_amax, fp8_max
+        self._capacity = capacity
+        self._views.clear()
+
+    def add(self, name: str, specs: dict[Role, CastSpec]) -> dict[Role, Slot]:
+        """New rows for ``name``'s roles (zero history, scale 1): their slots, by role."""
+        first = len(self._slots)
+        if first + len(specs) > self._capacity:
+            self.reserve(first + len(specs))
+        added = {}
+        for i, (role, spec) in enumerate(specs.items()):
+            slot = Slot(name, role, spec, first + i, role.direction is Direction.FORWARD)
+            self._fp8_max[slot.row] = spec.fp8_max
+            self._slots.append(slot)
+            added[role] = slot
+        return added
+
+    def freeze(self) -> None:
+        """From now on the buffers never move (called at the first step)."""
+        self._frozen = True
+
+    @property
+    def frozen(self) -> bool:
+        """True once the buffers may no longer move."""
+        return self._frozen
 
     def to(self, device: torch.device) -> None:
-        """Move every buffer to ``device`` (values kept); drop cached weight casts."""
-        self.history = self.history.to(device)
-        self.scales = self.scales.to(device)
-        self.step_amax = self.step_amax.to(device)
-        self.fp8_max = self.fp8_max.to(device)
-        self.device = device
-        self.weight_casts.clear()
-        self.refresh_history_rows()
+        """Move every buffer to ``device`` (values kept; an explicit move, frozen or not)."""
+        self._history = self._history.to(device)
+        self._scales = self._scales.to(device)
+        self._step_amax = self._step_amax.to(device)
+        self._fp8_max = self._fp8_max.to(device)
+        self._device = device
+        self._views.clear()
+        self.casts.clear()
 
-    def refresh_history_rows(self) -> None:
-        """Recompute which rows have no history, where that costs no device sync."""
-        if self.device.type == "cpu":
-            self.fresh_rows = set((self.history[:, -1] <= 0).nonzero().flatten().tolist())
-            self.history_known = True
-        else:
-            self.fresh_rows.clear()
-            self.history_known = False
+    # ------------------------------------------------------------- values
+    def jit(self, slot: Slot, *, delayed: bool, compiling: bool) -> bool | Tensor:
+        """Whether a cast of ``slot`` scales from its own tensor.
+
+        Always for current scaling; for delayed scaling while the slot has no
+        history (its newest entry is 0). Decided on the host where that is
+        free (before any step, on the CPU, or once known), else on the device
+        with no sync; always on the device while compiling, so that no host
+        value becomes a guard.
+        """
+        if not delayed:
+            return True
+        if compiling:
+            return self._history[slot.row, -1] <= 0
+        if not self._may_have_history:
+            return True
+        if slot.row in self._with_history:
+            return False
+        newest = self._history[slot.row, -1]
+        if self._device.type != "cpu":
+            return newest <= 0
+        if float(newest) > 0:
+            self._with_history.add(slot.row)
+            return False
+        return True
+
+    def load(self, history: Tensor, scales: Tensor, step_amax: Tensor, iteration: int) -> None:
+        """Overwrite the values of every slot in place (already validated and ordered)."""
+        self.history.copy_(history)
+        self.scales.copy_(scales)
+        self.step_amax.copy_(step_amax)
+        self.iteration = iteration
+        self.epoch += 1
+        self._may_have_history = True
+        self._with_history.clear()
+        self.casts.clear()
+        if self.checker is not None:
+            self.checker.clear()
 
     def end_step(self) -> None:
         """Forget the step's bookkeeping after the buffers were updated."""
         self.iteration += 1
         self.epoch += 1
-        self.phase = Phase.IDLE
-        self.refresh_history_rows()
+        self._may_have_history = True
         self.forward_recorded.clear()
         self.backward_recorded.clear()
-        self.weight_casts.clear()
-        self.forward_amaxes.clear()
+        self.casts.clear()
+        if self.checker is not None:
+            self.checker.clear()

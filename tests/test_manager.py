@@ -20,30 +20,15 @@ def _row_amax(manager: ss.ScalingStateManager, name: str, role: ss.Role) -> floa
     return float(sd["step_amax"][sd["slots"].index([name, role.value])])
 
 
-def _count_weight_casts(manager: ss.ScalingStateManager, weight: torch.Tensor) -> list[int]:
-    """Wrap the manager's backend so casts of ``weight`` are counted."""
-    count = [0]
-    real = manager.backend.quantize
-
-    @functools.wraps(real)
-    def counting(x, *args, **kwargs):
-        if x.data_ptr() == weight.data_ptr():
-            count[0] += 1
-        return real(x, *args, **kwargs)
-
-    manager.backend.quantize = counting  # type: ignore[method-assign]
-    return count
-
-
 class TestRegister:
     def test_rows_and_growth(self, delayed):
         """Each role is a row of one contiguous buffer per kind, growing as slots register."""
         delayed.register("a", roles=(I, W))
         delayed.register("b")
-        st = delayed._state
-        assert st.history.shape == (5, 4) and st.scales.shape == (5,) and st.step_amax.shape == (5,)
-        assert st.history.is_contiguous()
-        assert [(s.name, s.role) for s in st.slots] == [("a", I), ("a", W), ("b", I), ("b", W), ("b", G)]
+        sd = delayed.state_dict()
+        assert sd["amax_history"].shape == (5, 4) and sd["scale"].shape == (5,) and sd["step_amax"].shape == (5,)
+        assert sd["slots"] == [["a", "input"], ["a", "weight"], ["b", "input"], ["b", "weight"], ["b", "grad_output"]]
+        assert delayed.capacity >= 5
 
     def test_growth_keeps_values(self, delayed):
         """Registering after training keeps every earlier slot's state."""
@@ -167,8 +152,9 @@ class TestPhases:
             "<ScalingStateManager(recipe=DelayedScaling, backend='emulation', phase=FORWARD, slots=3, step=0)>"
         )
 
-    def test_forward_casts_inside_function_forward_are_caught(self, delayed):
-        """Casting in autograd.Function.forward with no phase set is reported at step()."""
+    def test_forward_casts_inside_function_forward_record(self, delayed):
+        """A cast in autograd.Function.forward (grad disabled there) records in a training pass,
+        and is evaluation when the Function runs under no_grad."""
         h = delayed.register("fc", roles=(I, G))
 
         class Cast(torch.autograd.Function):
@@ -181,17 +167,34 @@ class TestPhases:
                 return h.quantize(g, G).dequantize()
 
         x = torch.randn(4, requires_grad=True)
+        with torch.no_grad():
+            Cast.apply(x * 100)
+        assert _row_amax(delayed, "fc", I) == 0.0
         Cast.apply(x).sum().backward()
-        with pytest.raises(PhaseError, match=r"autograd\.Function\.forward"):
+        assert _row_amax(delayed, "fc", I) == x.abs().max().item()
+        delayed.step()
+
+    def test_unfed_forward_slot_is_caught(self, delayed):
+        """A step whose gradient casts ran while every forward cast of the slot was evaluation
+        is refused before anything changes, naming the slot and the fix."""
+        h = delayed.register("fc", roles=(I, G))
+
+        class Grad(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                return h.quantize(g, G).dequantize()
+
+        x = torch.randn(4, requires_grad=True)
+        with torch.no_grad():
+            h.quantize(x, I)  # the forward cast, made as evaluation
+        Grad.apply(x).sum().backward()
+        with pytest.raises(PhaseError, match=r"'fc' was cast for GRAD_OUTPUT.*manager.forward"):
             delayed.step()
         assert delayed.iteration == 0
-        # the same code with the phase explicit is fine
-        m2 = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
-        h = m2.register("fc", roles=(I, G))
-        with m2.forward():
-            y = Cast.apply(x)
-        y.sum().backward()
-        m2.step()
 
 
 class _OpCounter(TorchDispatchMode):
@@ -219,7 +222,7 @@ class TestStepIsVectorized:
                 m.step()
             counts.append(counter.ops)
         assert counts[0] == counts[1]
-        assert 0 < len(counts[0]) < 40
+        assert 0 < len(counts[0]) <= 20
 
 
 def _region_mechanisms():
@@ -333,116 +336,15 @@ class TestQuantizedCarriesScale:
         with manager.forward():
             q = h.quantize(torch.tensor([1.0, -0.5]), I)
             h.quantize(torch.tensor([1000.0]), I)
-        before_inv, before = q.scale_inv.clone(), q.dequantize()
+        before_scale, before_inv, before = q.scale.clone(), q.scale_inv.clone(), q.dequantize()
         manager.step()
         with manager.forward():
-            h.quantize(torch.tensor([5.0]), I)
+            q2 = h.quantize(torch.tensor([5.0]), I)
         manager.step()
-        assert torch.equal(q.scale_inv, before_inv) and torch.equal(q.dequantize(), before)
-        assert q.scale_inv.data_ptr() != manager._state.scales.data_ptr()
-
-
-class TestWeightCastCache:
-    """Invariant 5."""
-
-    def _setup(self, manager):
-        layer = ss.nn.Linear(16, 8, manager=manager, name="fc")
-        return layer, _count_weight_casts(manager, layer.weight)
-
-    def test_once_per_step_across_microbatches_and_recompute(self, manager):
-        """4 checkpointed microbatches: one weight cast per step; a new one after the optimizer step."""
-        layer, count = self._setup(manager)
-        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
-        for step in range(3):
-            for _ in range(4):
-                with manager.forward():
-                    y = tcp.checkpoint(layer, torch.randn(2, 16), use_reentrant=False)
-                with manager.backward():
-                    y.sum().backward()
-            assert count[0] == step + 1
-            opt.step()
-            manager.step()
-
-    def test_in_place_edit_between_microbatches(self, manager):
-        """An in-place weight change mid-step is seen: the next cast is fresh and correct."""
-        layer, count = self._setup(manager)
-        x = torch.randn(2, 16)
-        with manager.forward():
-            y1 = layer(x)
-        with torch.no_grad():
-            layer.weight.mul_(2)
-        with manager.forward():
-            y2 = layer(x)
-        assert count[0] == 2 and not torch.equal(y1, y2)
-
-    def test_module_load_state_dict(self, manager):
-        """Loading module weights invalidates the cast."""
-        layer, count = self._setup(manager)
-        with manager.forward():
-            layer(torch.randn(2, 16))
-        layer.load_state_dict({k: v * 3 for k, v in layer.state_dict().items()})
-        with manager.forward():
-            layer(torch.randn(2, 16))
-        assert count[0] == 2
-
-    def test_manager_load_state_dict(self, manager):
-        """Loading scaling state (new scales) invalidates the cast."""
-        layer, count = self._setup(manager)
-        with manager.forward():
-            layer(torch.randn(2, 16))
-        manager.step()
-        sd = manager.state_dict()
-        with manager.forward():
-            layer(torch.randn(2, 16))
-        manager.step()
-        manager.load_state_dict(sd)
-        with manager.forward():
-            layer(torch.randn(2, 16))
-        assert count[0] == 3
-
-    def test_data_edits_need_invalidate(self, manager):
-        """Edits through .data bypass the version counter; invalidate_casts() covers them."""
-        layer, count = self._setup(manager)
-        with manager.forward():
-            layer(torch.randn(2, 16))
-        layer.weight.data.mul_(2)
-        manager.invalidate_casts()
-        with manager.forward():
-            layer(torch.randn(2, 16))
-        assert count[0] == 2
-
-    def test_hit_records_like_a_fresh_cast(self, manager):
-        """A weight cast made in evaluation still leaves the training step's weight amax complete."""
-        layer, count = self._setup(manager)
-        with torch.no_grad():
-            layer(torch.randn(2, 16))  # evaluation: records nothing
-        assert _row_amax(manager, "fc", W) == 0.0
-        with manager.forward():
-            layer(torch.randn(2, 16))  # cache hit in training
-        assert count[0] == 1
-        assert _row_amax(manager, "fc", W) == layer.weight.abs().max().item()
-
-    def test_entry_key(self, manager):
-        """A cached cast matches only the same tensor, unmodified, in the same scale epoch."""
-        h = manager.register("w", roles=(W,))
-        w = torch.randn(8, 8)
-        with manager.forward():
-            h.quantize(w, W)
-        entry = manager._state.weight_casts[0]
-        epoch = manager._state.epoch
-        assert entry.matches(w, epoch)
-        assert not entry.matches(w, epoch + 1)
-        assert not entry.matches(w.clone(), epoch)
-        w.add_(1.0)
-        assert not entry.matches(w, epoch)
-
-    def test_new_tensor_at_same_address_is_not_a_hit(self, manager):
-        """A freed weight's address reused by a new tensor never hits the cache."""
-        h = manager.register("w", roles=(W,))
-        with manager.forward():
-            a = h.quantize(torch.full((64,), 1.0), W).dequantize()
-            b = h.quantize(torch.full((64,), 3.0), W).dequantize()
-        assert a[0].item() == 1.0 and b[0].item() == 3.0
+        assert not torch.equal(h.scale(I), before_scale)  # the slot's scale did change ...
+        assert torch.equal(q.scale, before_scale) and torch.equal(q.scale_inv, before_inv)  # ... not q's
+        assert torch.equal(q.dequantize(), before)
+        assert torch.equal(q2.scale_inv, torch.reciprocal(q2.scale))
 
 
 class TestMicrobatchesAndEvaluation:
@@ -562,14 +464,3 @@ class TestDevice:
         delayed.to("cpu")
         after = delayed.state_dict()
         assert torch.equal(before["amax_history"], after["amax_history"])
-
-
-class TestInferenceTensors:
-    def test_weight_made_in_inference_mode_is_cast_uncached(self, delayed):
-        """A weight created under inference_mode (no version counter) is cast, never cached."""
-        with torch.inference_mode():
-            w = torch.randn(4, 4)
-        h = delayed.register("w", roles=(W,))
-        with delayed.forward():
-            h.quantize(w, W)
-        assert delayed._state.weight_casts == {}

@@ -10,6 +10,7 @@ import torch
 from scalestate.math import (
     FLOAT32_MAX,
     FLOAT32_TINY,
+    ScaleRule,
     amax_from_history,
     pow2_floor,
     roll_history,
@@ -18,6 +19,7 @@ from scalestate.math import (
 )
 
 INF, NAN = float("inf"), float("nan")
+POW2 = ScaleRule(power_of_2=True)
 
 
 class TestRollHistory:
@@ -66,16 +68,16 @@ class TestScaleFromAmax:
 
     def test_margin(self):
         """448 / 2 / 2**3 = 28."""
-        assert scale_from_amax(torch.tensor(2.0), 448.0, margin=3).item() == 28.0
+        assert scale_from_amax(torch.tensor(2.0), 448.0, ScaleRule(margin=3)).item() == 28.0
 
     def test_power_of_2_rounds_down(self):
         """448 / 3 = 149.33 -> 128; 448 / 0.5 = 896 -> 512."""
-        out = scale_from_amax(torch.tensor([3.0, 0.5]), 448.0, power_of_2=True)
+        out = scale_from_amax(torch.tensor([3.0, 0.5]), 448.0, POW2)
         assert out.tolist() == [128.0, 512.0]
 
     def test_power_of_2_keeps_exact_powers(self):
         """A scale that is already a power of two stays: 448 / 1.75 = 256."""
-        assert scale_from_amax(torch.tensor(1.75), 448.0, power_of_2=True).item() == 256.0
+        assert scale_from_amax(torch.tensor(1.75), 448.0, POW2).item() == 256.0
 
     @pytest.mark.parametrize("bad", [0.0, INF, -INF, NAN])
     def test_unusable_amax_keeps_previous(self, bad):
@@ -91,12 +93,27 @@ class TestScaleFromAmax:
 
     def test_overflow_with_power_of_2(self):
         """Overflow then rounding: 2**127."""
-        assert scale_from_amax(torch.tensor(1e-40), 448.0, power_of_2=True).item() == 2.0**127
+        assert scale_from_amax(torch.tensor(1e-40), 448.0, POW2).item() == 2.0**127
 
-    def test_never_zero(self):
-        """A huge amax with a large margin never yields a zero scale."""
-        out = scale_from_amax(torch.tensor(FLOAT32_MAX), 448.0, margin=64)
+    @pytest.mark.parametrize("power_of_2", [False, True])
+    def test_never_zero(self, power_of_2):
+        """A huge amax with a large margin yields the smallest normal float32, never zero
+        (rounding to a power of two keeps it: it is one)."""
+        out = scale_from_amax(torch.tensor(FLOAT32_MAX), 448.0, ScaleRule(margin=64, power_of_2=power_of_2))
         assert out.item() == FLOAT32_TINY
+
+    def test_true_division(self):
+        """fp8_max / amax is a float32 division, not reciprocal(amax) * fp8_max (they differ here)."""
+        amax = torch.tensor(1.0049480199813843)
+        assert scale_from_amax(amax, 448.0).item() == torch.div(448.0, amax).item()
+        assert scale_from_amax(amax, 448.0).item() != (torch.reciprocal(amax) * 448.0).item()
+
+    def test_out_writes_in_place(self):
+        """out= writes the result into a given tensor (which may be previous itself)."""
+        previous = torch.tensor([3.5, 3.5])
+        ptr = previous.data_ptr()
+        scale_from_amax(torch.tensor([2.0, 0.0]), 448.0, previous=previous, out=previous)
+        assert previous.tolist() == [224.0, 3.5] and previous.data_ptr() == ptr
 
     def test_tensor_fp8_max_broadcasts(self):
         """Per-slot fp8_max: [448, 57344] / [2, 2]."""
@@ -110,6 +127,15 @@ class TestPow2Floor:
         x = torch.tensor([1.0, 1.5, 3.0, 1023.0, 1024.0, 0.3])
         assert pow2_floor(x).tolist() == [1.0, 1.0, 2.0, 512.0, 1024.0, 0.25]
 
+    def test_matches_frexp_over_the_normal_range(self):
+        """Bitwise the frexp definition for normal float32 values, the extremes included."""
+        x = torch.cat([
+            torch.logspace(-37.9, 38.5, 20001),
+            torch.tensor([FLOAT32_TINY, FLOAT32_MAX, 1.0, 2.0**-126, 2.0**127]),
+        ]).clamp(FLOAT32_TINY, FLOAT32_MAX)
+        _, exponent = torch.frexp(x)
+        assert torch.equal(pow2_floor(x), torch.ldexp(torch.ones_like(x), exponent - 1))
+
 
 class TestUpdateScales:
     def test_full_step(self):
@@ -118,16 +144,23 @@ class TestUpdateScales:
         scales = torch.tensor([112.0, 1.0, 224.0])
         step_amax = torch.tensor([2.0, 0.0, NAN])
         fp8_max = torch.tensor([448.0, 448.0, 57344.0])
-        h, s = update_scales(
-            history, scales, step_amax, fp8_max, amax_compute="max", margin=0, power_of_2=False
-        )
+        h, s = update_scales(history, scales, step_amax, fp8_max, ScaleRule())
         assert h.tolist() == [[4.0, 2.0], [0.0, 0.0], [1.0, 2.0]]
         assert s.tolist() == [112.0, 1.0, 28672.0]
+        assert history.tolist() == [[0.0, 4.0], [0.0, 0.0], [1.0, 2.0]]  # pure by default
+
+    def test_in_place(self):
+        """in_place=True writes into the given history and scales, keeping their storage."""
+        history, scales = torch.tensor([[0.0, 4.0]]), torch.tensor([112.0])
+        ptrs = (history.data_ptr(), scales.data_ptr())
+        h, s = update_scales(history, scales, torch.tensor([2.0]), torch.tensor([448.0]), ScaleRule(), in_place=True)
+        assert h is history and s is scales and (history.data_ptr(), scales.data_ptr()) == ptrs
+        assert history.tolist() == [[4.0, 2.0]] and scales.tolist() == [112.0]
 
     def test_most_recent(self):
         """most_recent derives from the just-rolled amax."""
         h, s = update_scales(
             torch.tensor([[8.0, 8.0]]), torch.tensor([56.0]), torch.tensor([2.0]),
-            torch.tensor([448.0]), amax_compute="most_recent", margin=0, power_of_2=False,
+            torch.tensor([448.0]), ScaleRule(amax_compute="most_recent"),
         )
         assert h.tolist() == [[8.0, 2.0]] and s.tolist() == [224.0]

@@ -25,13 +25,13 @@ class TestWeightCastOncePerStep:
 
         def spying_init(self, *args, **kwargs):
             real_init(self, *args, **kwargs)
-            real = self.backend.quantize
+            real = self.backend.cast
 
-            def counting(x, *a, **k):
-                casts.append(x.data_ptr())
-                return real(x, *a, **k)
+            def counting(request):
+                casts.append(request.x.data_ptr())
+                return real(request)
 
-            self.backend.quantize = counting
+            self.backend.cast = counting
 
         monkeypatch.setattr(ss.ScalingStateManager, "__init__", spying_init)
         ckpt = mechanism != "none"

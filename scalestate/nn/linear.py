@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from scalestate.backends import Backend
+from scalestate.errors import CastError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.quantized import Quantized
@@ -18,7 +20,7 @@ __all__ = ["Linear", "linear"]
 
 class _FP8Linear(torch.autograd.Function):
     """``y = x @ w.T + b`` with x and w already cast; backward casts ``dy`` and
-    runs both of its products in FP8. Only FP8 tensors are saved."""
+    runs both of its products in FP8. Only FP8 tensors (and their scales) are saved."""
 
     @staticmethod
     def forward(
@@ -26,40 +28,53 @@ class _FP8Linear(torch.autograd.Function):
         x: Tensor,
         weight: Tensor,
         bias: Tensor | None,
-        x_data: Tensor,
-        x_scale_inv: Tensor,
-        w_data: Tensor,
-        w_scale_inv: Tensor,
+        qx: Quantized,
+        qw: Quantized,
         handle: ScalingHandle,
         out_dtype: torch.dtype,
     ) -> Tensor:
         backend = handle.manager.backend
-        qx, qw = Quantized(x_data, x_scale_inv), Quantized(w_data, w_scale_inv)
-        with torch.autocast(x.device.type, enabled=False):
-            out = backend.scaled_mm(qx, qw.t(), out_dtype=out_dtype, bias=bias)
-        ctx.save_for_backward(x_data, x_scale_inv, w_data, w_scale_inv)
+        out = _product(backend, qx, qw.t(), out_dtype, bias)
+        # The weight-gradient product needs x in the other layout: keep only that copy when the cast made it.
+        x_data = qx.data if qx.transposed is None else qx.transposed
+        ctx.save_for_backward(x_data, qx.scale, qx.scale_inv, qw.data, qw.scale, qw.scale_inv, qw.transposed)
+        ctx.x_is_transposed = qx.transposed is not None
         ctx.handle = handle
+        ctx.backend = backend
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
+        x_data, x_scale, x_scale_inv, w_data, w_scale, w_scale_inv, w_transposed = ctx.saved_tensors
         handle: ScalingHandle = ctx.handle
-        backend = handle.manager.backend
+        backend: Backend = ctx.backend
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
-        with torch.autocast(grad_out.device.type, enabled=False):
-            if need_x or need_w:
-                qg = handle.quantize(grad_out, Role.GRAD_OUTPUT)
-                if need_x:
-                    grad_x = backend.scaled_mm(qg, Quantized(w_data, w_scale_inv), out_dtype=x_dtype)
-                if need_w:
-                    grad_w = backend.scaled_mm(qg.t(), Quantized(x_data, x_scale_inv), out_dtype=w_dtype)
-            if need_b:
-                grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        if need_x or need_w:
+            qg = handle.quantize(grad_out, Role.GRAD_OUTPUT, transpose=ctx.x_is_transposed)
+            if need_x:
+                qw = Quantized(w_data, w_scale, w_scale_inv, w_transposed)
+                grad_x = _product(backend, qg, qw, x_dtype)
+            if need_w:
+                qx = Quantized(x_data, x_scale, x_scale_inv)
+                grad_w = _product(backend, qg.t(), qx.t() if ctx.x_is_transposed else qx, w_dtype)
+        if need_b:
+            grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _product(
+    backend: Backend, a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | None = None
+) -> Tensor:
+    """The backend's FP8 product, with autocast off (the operands are FP8 and accumulate in
+    float32); the autocast context is entered only where autocast is on, as it costs microseconds."""
+    device_type = a.data.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return backend.scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
+    with torch.autocast(device_type, enabled=False):
+        return backend.scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle) -> Tensor:
@@ -68,24 +83,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
     ``handle`` needs the roles INPUT, WEIGHT and GRAD_OUTPUT. ``x`` may have
     any number of leading dimensions. The output has ``x``'s dtype, or the
     autocast dtype where autocast is on (the FP8 products ignore autocast:
-    their operands are FP8 and they accumulate in float32).
+    their operands are FP8 and they accumulate in float32). Where the
+    backend's products need operands in the other layout, the casts make
+    transposed copies in the same pass.
     """
     if x.shape[-1] != weight.shape[1]:
-        raise ValueError(
+        raise CastError(
             f"slot {handle.name!r}: input has {x.shape[-1]} features in its last dimension, "
             f"the weight expects {weight.shape[1]}"
         )
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    qx = handle.quantize(x2, Role.INPUT)
-    qw = handle.quantize(weight, Role.WEIGHT)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    transpose = handle.manager.backend.wants_transposed(x.device)
+    qx = handle.quantize(x2, Role.INPUT, transpose=transpose)
+    qw = handle.quantize(weight, Role.WEIGHT, transpose=transpose)
     # torch types Function.apply as untyped; its result here is the forward's Tensor
-    out: Tensor = _FP8Linear.apply(  # type: ignore[no-untyped-call]
-        x2, weight, bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv, handle, out_dtype
-    )
-    return out.reshape(*lead, weight.shape[0])
+    out: Tensor = _FP8Linear.apply(x2, weight, bias, qx, qw, handle, out_dtype)  # type: ignore[no-untyped-call]
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(torch.nn.Linear):

@@ -1,0 +1,145 @@
+"""Per-call overhead of scalestate, measured side by side in one run.
+
+Prints, on one CPU thread by default:
+
+1. eager forward + backward of a tiny layer (16 x 16, 16 rows):
+   ``torch.nn.Linear`` against ``ss.nn.Linear`` (emulation backend; delayed
+   scaling after warm-up, and current scaling), as microseconds and ratios;
+2. the same under ``torch.compile`` (inductor; compile time excluded);
+3. ``manager.step()`` at 10, 1,000 and 10,000 slots (a slot is one
+   (name, role) row), with the number of tensor operations it dispatches;
+4. registration: 300 ``register()`` calls at 200 slots against at 10,000.
+
+Timings are medians over ``--repeats`` rounds that alternate between the
+compared variants, so machine noise hits both alike.
+
+    python benchmarks/overhead.py
+    python benchmarks/overhead.py --no-compile --repeats 11
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import scalestate as ss
+
+
+def _per_call_us(fn: Callable[[], Any], iters: int) -> float:
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def _side_by_side(fns: dict[str, Callable[[], Any]], iters: int, repeats: int) -> dict[str, float]:
+    """Median microseconds per call of each function, rounds alternating between them."""
+    for fn in fns.values():  # warm-up
+        _per_call_us(fn, max(iters // 10, 10))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(_per_call_us(fn, iters))
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def _layers(compiled: bool) -> dict[str, Callable[[], None]]:
+    torch.manual_seed(0)
+    x = torch.randn(16, 16, requires_grad=True)
+    ref = torch.nn.Linear(16, 16)
+    fns: dict[str, Callable[[], None]] = {}
+    ref_call = torch.compile(ref) if compiled else ref
+    fns["torch.nn.Linear"] = lambda: ref_call(x).sum().backward()
+    for label, recipe in (("delayed", ss.DelayedScaling()), ("current", ss.CurrentScaling())):
+        manager = ss.ScalingStateManager(recipe, backend="emulation")
+        layer = ss.nn.Linear(16, 16, manager=manager)
+        call = torch.compile(layer) if compiled else layer
+        for _ in range(3):  # give delayed scaling its history
+            call(x).sum().backward()
+            manager.step()
+
+        def run(call: Callable[[torch.Tensor], torch.Tensor] = call) -> None:
+            call(x).sum().backward()
+
+        fns[f"ss.nn.Linear ({label})"] = run
+    return fns
+
+
+def _print_layers(title: str, times: dict[str, float]) -> None:
+    base = times["torch.nn.Linear"]
+    print(f"\n{title}")
+    print(f"  {'layer':<28}{'us / iter':>12}{'ratio':>9}")
+    for name, us in times.items():
+        print(f"  {name:<28}{us:>12.1f}{us / base:>8.2f}x")
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step(slots: int, iters: int, repeats: int) -> tuple[float, int]:
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    for i in range(slots):
+        manager.register(f"layer{i}", roles=(ss.Role.INPUT,))
+    manager.step()
+    with _OpCounter() as counter:
+        manager.step()
+    return _side_by_side({"step": manager.step}, iters, repeats)["step"], counter.count
+
+
+def _registration(existing: int, new: int = 300) -> float:
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    for i in range(existing):
+        manager.register(f"old{i}", roles=(ss.Role.INPUT,))
+    start = time.perf_counter()
+    for i in range(new):
+        manager.register(f"new{i}", roles=(ss.Role.INPUT,))
+    return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--iters", type=int, default=1000, help="calls per timing round")
+    parser.add_argument("--repeats", type=int, default=7, help="alternating timing rounds (median)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"scalestate {ss.__version__}, torch {torch.__version__}, {args.threads} CPU thread(s)")
+
+    _print_layers(
+        "eager forward + backward, 16 x 16 layer, 16 rows",
+        _side_by_side(_layers(compiled=False), args.iters, args.repeats),
+    )
+    if not args.no_compile:
+        print("\n(compiling...)", flush=True)
+        _print_layers(
+            "torch.compile (inductor) forward + backward, same layer",
+            _side_by_side(_layers(compiled=True), args.iters, args.repeats),
+        )
+
+    print("\nmanager.step()")
+    print(f"  {'slots':>8}{'us / step':>12}{'tensor ops':>12}")
+    for slots in (10, 1_000, 10_000):
+        us, ops = _step(slots, max(args.iters // 10, 20), args.repeats)
+        print(f"  {slots:>8}{us:>12.1f}{ops:>12}")
+
+    small, large = _registration(200), _registration(10_000)
+    print("\nregister(): 300 calls")
+    print(f"  at 200 slots {small:.2f} ms, at 10,000 slots {large:.2f} ms ({large / small:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The weight-cast cache: one cast per (weight, version, scale epoch)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+from torch import Tensor
+
+from scalestate.quantized import Quantized
+
+if TYPE_CHECKING:
+    from scalestate.state import Slot
+
+__all__ = ["CachedCast", "WeightCastCache"]
+
+
+@attrs.frozen(eq=False)
+class CachedCast:
+    """A weight cast, valid while the weight and the scale epoch are unchanged."""
+
+    source: weakref.ref[Tensor]
+    data_ptr: int
+    version: int
+    epoch: int
+    quantized: Quantized
+    #: 0-d amax of the weight, recorded again on every training use.
+    amax: Tensor
+
+    def matches(self, x: Tensor, epoch: int) -> bool:
+        """True if ``x`` is the very tensor cast, unmodified, in this epoch."""
+        return (
+            self.epoch == epoch
+            and self.source() is x
+            and self.version == x._version
+            and self.data_ptr == x.data_ptr()
+        )
+
+
+class WeightCastCache:
+    """Cached weight casts, one per slot.
+
+    A weight is cast once per scale epoch (the scales change only at a step or
+    a load) and reused by every microbatch, recompute and evaluation pass
+    until it changes: PyTorch's version counter sees every in-place update
+    (optimizer steps, ``load_state_dict``, ``copy_``), and the tensor's
+    identity and storage address see a replaced parameter. Only an edit
+    through ``.data`` escapes the counter; ``manager.invalidate_casts()``
+    covers it.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, CachedCast] = {}
+
+    def get(self, slot: Slot, x: Tensor, epoch: int) -> CachedCast | None:
+        """The cached cast of ``x`` for ``slot`` if still valid, else ``None``."""
+        entry = self._entries.get(slot.row)
+        return entry if entry is not None and entry.matches(x, epoch) else None
+
+    def put(self, slot: Slot, x: Tensor, epoch: int, quantized: Quantized, amax: Tensor) -> None:
+        """Remember a cast of ``x``; inference tensors (which track no version) are not kept."""
+        if torch.is_inference_mode_enabled() or x.is_inference():
+            return
+        self._entries[slot.row] = CachedCast(weakref.ref(x), x.data_ptr(), x._version, epoch, quantized, amax)
+
+    def clear(self) -> None:
+        """Forget every cast."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,163 @@
+"""scalestate.cache: weight casts cached per (tensor, version, scale epoch) (invariant 5)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.utils.checkpoint as tcp
+
+import scalestate as ss
+
+I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
+
+
+def _count_casts(manager: ss.ScalingStateManager, tensor: torch.Tensor) -> list[int]:
+    """Wrap the manager's backend so that its casts of ``tensor``'s storage are counted."""
+    count = [0]
+    real = manager.backend.cast
+
+    @functools.wraps(real)
+    def counting(request):
+        if request.x.data_ptr() == tensor.data_ptr():
+            count[0] += 1
+        return real(request)
+
+    manager.backend.cast = counting  # type: ignore[method-assign]
+    return count
+
+
+def _weight_amax(manager: ss.ScalingStateManager, name: str) -> float:
+    sd = manager.state_dict()
+    return float(sd["step_amax"][sd["slots"].index([name, "weight"])])
+
+
+class TestWeightCastCache:
+    def _setup(self, manager):
+        layer = ss.nn.Linear(16, 8, manager=manager, name="fc")
+        return layer, _count_casts(manager, layer.weight)
+
+    def test_once_per_step_across_microbatches_and_recompute(self, manager):
+        """4 checkpointed microbatches: one weight cast per step; a new one after the optimizer step."""
+        layer, count = self._setup(manager)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        for step in range(3):
+            for _ in range(4):
+                with manager.forward():
+                    y = tcp.checkpoint(layer, torch.randn(2, 16), use_reentrant=False)
+                with manager.backward():
+                    y.sum().backward()
+            assert count[0] == step + 1
+            opt.step()
+            manager.step()
+
+    def test_key(self, manager):
+        """A cast is reused only for the same tensor, unmodified, in the same scale epoch."""
+        h = manager.register("w", roles=(W,))
+        w = torch.randn(8, 8)
+        count = _count_casts(manager, w)
+        with manager.forward():
+            h.quantize(w, W)
+            h.quantize(w, W)  # same tensor, same version, same epoch: a hit
+        assert count[0] == 1
+        w.add_(1.0)  # new version
+        with manager.forward():
+            h.quantize(w, W)
+        assert count[0] == 2
+        manager.step()  # new epoch
+        with manager.forward():
+            h.quantize(w, W)
+        assert count[0] == 3
+        other = _count_casts(manager, w)  # a different tensor with equal values is not a hit
+        with manager.forward():
+            h.quantize(w.clone(), W)
+        assert count[0] == 3 and other[0] == 0
+
+    def test_in_place_edit_between_microbatches(self, manager):
+        """An in-place weight change mid-step is seen: the next cast is fresh and correct."""
+        layer, count = self._setup(manager)
+        x = torch.randn(2, 16)
+        with manager.forward():
+            y1 = layer(x)
+        with torch.no_grad():
+            layer.weight.mul_(2)
+        with manager.forward():
+            y2 = layer(x)
+        assert count[0] == 2 and not torch.equal(y1, y2)
+
+    def test_module_load_state_dict(self, manager):
+        """Loading module weights invalidates the cast."""
+        layer, count = self._setup(manager)
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        layer.load_state_dict({k: v * 3 for k, v in layer.state_dict().items()})
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        assert count[0] == 2
+
+    def test_manager_load_state_dict(self, manager):
+        """Loading scaling state (new scales) invalidates the cast."""
+        layer, count = self._setup(manager)
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        manager.step()
+        sd = manager.state_dict()
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        manager.step()
+        manager.load_state_dict(sd)
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        assert count[0] == 3
+
+    def test_data_edits_need_invalidate(self, manager):
+        """Edits through .data bypass the version counter; invalidate_casts() covers them."""
+        layer, count = self._setup(manager)
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        layer.weight.data.mul_(2)
+        manager.invalidate_casts()
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        assert count[0] == 2
+
+    def test_hit_records_like_a_fresh_cast(self, manager):
+        """A weight cast made in evaluation still leaves the training step's weight amax complete."""
+        layer, count = self._setup(manager)
+        with torch.no_grad():
+            layer(torch.randn(2, 16))  # evaluation: records nothing
+        assert _weight_amax(manager, "fc") == 0.0
+        with manager.forward():
+            layer(torch.randn(2, 16))  # cache hit in training
+        assert count[0] == 1
+        assert _weight_amax(manager, "fc") == layer.weight.abs().max().item()
+
+    def test_new_tensor_at_same_address_is_not_a_hit(self, manager):
+        """A freed weight's address reused by a new tensor never hits the cache."""
+        h = manager.register("w", roles=(W,))
+        with manager.forward():
+            a = h.quantize(torch.full((64,), 1.0), W).dequantize()
+            b = h.quantize(torch.full((64,), 3.0), W).dequantize()
+        assert a[0].item() == 1.0 and b[0].item() == 3.0
+
+    def test_transposed_request_is_not_served_without_the_copy(self, delayed):
+        """A cached cast without a transposed copy does not serve a request that needs one."""
+        h = delayed.register("w", roles=(W,))
+        w = torch.randn(4, 6)
+        count = _count_casts(delayed, w)
+        with delayed.forward():
+            assert h.quantize(w, W).transposed is None
+            q = h.quantize(w, W, transpose=True)
+            assert h.quantize(w, W, transpose=True) is q and h.quantize(w, W) is q
+        assert count[0] == 2 and q.transposed is not None
+
+    def test_inference_tensors_are_cast_uncached(self, delayed):
+        """A weight created under inference_mode (no version counter) is cast every time."""
+        with torch.inference_mode():
+            w = torch.randn(4, 4)
+        h = delayed.register("w", roles=(W,))
+        count = _count_casts(delayed, w)
+        with delayed.forward():
+            h.quantize(w, W)
+            h.quantize(w, W)
+        assert count[0] == 2

@@ -1,0 +1,154 @@
+"""scalestate.backends.emulation: the reference cast and step update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scalestate.backends import CastRequest, CastSpec, StepUpdate
+from scalestate.backends.emulation import EmulationBackend
+from scalestate.math import ScaleRule, update_scales
+from scalestate.quantized import Quantized
+
+E4M3 = CastSpec(torch.float8_e4m3fn, 448.0)
+E5M2 = CastSpec(torch.float8_e5m2, 57344.0)
+NAN, INF = float("nan"), float("inf")
+
+
+def cast(x, scale=1.0, spec=E4M3, jit=False, record=None, transpose=False) -> Quantized:
+    s = scale if isinstance(scale, torch.Tensor) else torch.tensor(scale)
+    return EmulationBackend().cast(CastRequest(x, spec, s, jit, record, transpose))
+
+
+class TestCast:
+    def test_exact_values_roundtrip(self):
+        """Values representable in E4M3 survive a cast with scale 1 exactly."""
+        x = torch.tensor([0.0, 1.0, -2.0, 448.0, 0.015625])
+        assert torch.equal(cast(x).dequantize(), x)
+
+    def test_saturates(self):
+        """Values beyond the range saturate to +-fp8_max instead of becoming NaN."""
+        q = cast(torch.tensor([1000.0, -1e6, INF]))
+        assert q.dequantize().tolist() == [448.0, -448.0, 448.0]
+        q = cast(torch.tensor([1e6, -INF]), spec=E5M2)
+        assert q.dequantize().tolist() == [57344.0, -57344.0]
+
+    def test_rounds_to_nearest_even(self):
+        """Between 1 and 1.125 (E4M3 spacing 0.125), ties go to the even mantissa."""
+        q = cast(torch.tensor([1.0625, 1.1875, 1.07]))
+        assert q.dequantize().tolist() == [1.0, 1.25, 1.125]
+
+    def test_scale_applied_and_both_scales_carried(self):
+        """data = x * scale; scale is the multiplier, scale_inv its reciprocal."""
+        q = cast(torch.tensor([1.0, 0.5]), scale=4.0)
+        assert q.data.float().tolist() == [4.0, 2.0]
+        assert q.scale.item() == 4.0 and q.scale_inv.item() == 0.25
+
+    def test_scales_are_fresh_tensors(self):
+        """The Quantized's scales never alias the request's (the slot's scale changes at a step)."""
+        slot_scale = torch.tensor([4.0])
+        q = cast(torch.tensor([1.0]), scale=slot_scale[0])
+        slot_scale.fill_(8.0)
+        assert q.scale.item() == 4.0 and q.scale_inv.item() == 0.25
+
+    def test_jit_scales_from_own_amax(self):
+        """jit=True: the amax maps onto fp8_max, whatever scale was passed."""
+        q = cast(torch.tensor([2.0, -1.0]), jit=True)
+        assert q.data.float().tolist() == [448.0, -224.0] and q.scale.item() == 224.0
+
+    def test_jit_follows_the_rule(self):
+        """Just-in-time scales take the spec's margin and power-of-two rounding."""
+        spec = CastSpec(torch.float8_e4m3fn, 448.0, ScaleRule(margin=1, power_of_2=True))
+        assert cast(torch.tensor([3.0]), spec=spec, jit=True).scale.item() == 64.0  # 448/3/2 = 74.7 -> 64
+
+    def test_jit_tensor_decides_on_device(self):
+        """A 0-d bool tensor chooses between own and given scale."""
+        x = torch.tensor([2.0])
+        assert cast(x, jit=torch.tensor(True)).data.float().item() == 448.0
+        assert cast(x, jit=torch.tensor(False)).data.float().item() == 2.0
+
+    @pytest.mark.parametrize("bad", [0.0, NAN, INF])
+    def test_jit_with_unusable_amax_keeps_the_given_scale(self, bad):
+        """A zero or non-finite amax scales with the given scale, never an infinite or zero one."""
+        assert cast(torch.tensor([bad, 0.0]), scale=3.0, jit=True).scale.item() == 3.0
+
+    def test_bfloat16_input_computed_in_float32(self):
+        """A bf16 input is cast through float32: the same bits as casting its float32 copy."""
+        x = torch.randn(64, dtype=torch.bfloat16) * 30
+        assert torch.equal(cast(x, jit=True).data.view(torch.uint8), cast(x.float(), jit=True).data.view(torch.uint8))
+
+    def test_empty_tensor(self):
+        """An empty tensor casts to an empty tensor and records amax 0."""
+        acc = torch.zeros(())
+        q = cast(torch.zeros(0, 4), jit=True, record=acc)
+        assert q.shape == (0, 4) and acc.item() == 0.0
+
+
+class TestRecord:
+    def test_maxes_into_the_accumulator_in_place(self):
+        """The amax is max-reduced into the record view, in place; other rows are untouched."""
+        buffer = torch.tensor([0.0, 5.0, 0.0])
+        ptr = buffer.data_ptr()
+        cast(torch.tensor([3.0, -7.0]), record=buffer[1])
+        cast(torch.tensor([6.0]), record=buffer[1])
+        assert buffer.tolist() == [0.0, 7.0, 0.0] and buffer.data_ptr() == ptr
+
+    def test_nan_propagates(self):
+        """A NaN in the tensor makes the accumulator NaN (for the manager's non-finite policy)."""
+        acc = torch.tensor(5.0)
+        cast(torch.tensor([1.0, NAN]), record=acc)
+        assert torch.isnan(acc)
+
+    def test_no_record_writes_nothing(self):
+        """record=None leaves every tensor but the result alone."""
+        x, scale = torch.tensor([3.0]), torch.tensor(2.0)
+        cast(x, scale=scale, jit=True)
+        assert x.tolist() == [3.0] and scale.item() == 2.0
+
+
+class TestTransposed:
+    @pytest.mark.parametrize("spec", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+    def test_same_pass_copy(self, spec):
+        """transpose=True adds data.t() laid out contiguously, bitwise; t() then uses it."""
+        x = torch.randn(5, 7) * 100
+        q = cast(x, spec=spec, jit=True, transpose=True)
+        assert q.transposed is not None and q.transposed.is_contiguous() and q.transposed.shape == (7, 5)
+        assert torch.equal(q.transposed.view(torch.uint8), q.data.t().contiguous().view(torch.uint8))
+        assert q.t().data is q.transposed
+
+    def test_not_made_unless_asked(self):
+        """Without transpose=True there is no copy."""
+        assert cast(torch.randn(3, 4)).transposed is None
+
+
+class TestProducts:
+    def test_scaled_mm_is_the_product_of_dequantized_operands(self):
+        """(a * sa) @ (b * sb) + bias in float32, bitwise."""
+        a, b = cast(torch.randn(8, 16), jit=True), cast(torch.randn(4, 16), jit=True)
+        bias = torch.randn(4)
+        got = EmulationBackend().scaled_mm(a, b.t(), out_dtype=torch.float32, bias=bias)
+        assert torch.equal(got, a.dequantize() @ b.dequantize().t() + bias)
+
+    @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+    def test_dequantize_table_matches_torch_cast_bitwise(self, dtype):
+        """The CPU table path (large E4M3 operands) gives torch's own cast, plain and transposed."""
+        codes = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(16, 16).repeat(8, 8)
+        scale_inv = torch.tensor(0.37)
+        for data in (codes, codes.t()):
+            got = EmulationBackend().dequantize(Quantized(data, scale_inv=scale_inv))
+            want = data.float() * scale_inv
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+            assert torch.equal(torch.isnan(got), torch.isnan(want))
+
+
+class TestUpdate:
+    def test_in_place_and_clears(self):
+        """update() applies update_scales into the given buffers and zeroes the accumulators."""
+        history = torch.tensor([[0.0, 4.0], [1.0, 2.0]])
+        scales, step_amax, fp8_max = torch.tensor([112.0, 224.0]), torch.tensor([2.0, NAN]), torch.tensor([448.0] * 2)
+        want_h, want_s = update_scales(history, scales, step_amax, fp8_max, ScaleRule())
+        ptrs = [t.data_ptr() for t in (history, scales, step_amax)]
+        EmulationBackend().update(StepUpdate(history, scales, step_amax, fp8_max, ScaleRule()))
+        assert torch.equal(history, want_h) and torch.equal(scales, want_s)
+        assert step_amax.tolist() == [0.0, 0.0]
+        assert [t.data_ptr() for t in (history, scales, step_amax)] == ptrs

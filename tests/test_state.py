@@ -1,0 +1,117 @@
+"""scalestate.state: buffers that grow by doubling, then never move."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import scalestate as ss
+from scalestate.errors import SlotError
+
+I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ptrs(manager):
+    return {key: t.data_ptr() for key, t in manager.buffers().items()}
+
+
+class TestGrowth:
+    def test_capacity_doubles(self, delayed):
+        """Capacity is a power-of-two multiple of the first allocation and never above twice the slots."""
+        seen = set()
+        for i in range(1000):
+            delayed.register(f"l{i}", roles=(I,))
+            seen.add(delayed.capacity)
+            assert i + 1 <= delayed.capacity <= max(16, 2 * (i + 1))
+        assert seen == {16 * 2**k for k in range(7)}
+
+    def test_registration_is_amortized_constant(self):
+        """300 registrations dispatch about the same tensor operations at 200 slots as at 10,000
+        (a constant per slot, plus at most one doubling)."""
+        counts = []
+        for existing in (200, 10_000):
+            m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+            for i in range(existing):
+                m.register(f"old{i}", roles=(I,))
+            with _OpCounter() as counter:
+                for i in range(300):
+                    m.register(f"new{i}", roles=(I,))
+            counts.append(counter.count)
+        assert abs(counts[0] - counts[1]) <= 16
+        assert max(counts) <= 300 * 3 + 16
+
+    def test_values_survive_growth(self, delayed):
+        """Growing keeps every earlier slot's history, scale and pending amax."""
+        h = delayed.register("a", roles=(I,))
+        with delayed.forward():
+            h.quantize(torch.full((4,), 3.0), I)
+        delayed.reserve(100)
+        with delayed.forward():
+            h.quantize(torch.full((4,), 5.0), I)
+        delayed.step()
+        assert h.amax_history(I)[-1].item() == 5.0
+
+
+class TestStableAddresses:
+    def test_buffers_never_move_after_the_first_step(self, delayed):
+        """After the first step: steps, registrations within capacity and loads keep every address."""
+        h = delayed.register("a")
+        with delayed.forward():
+            h.quantize(torch.ones(4), I)
+        delayed.step()
+        before = _ptrs(delayed)
+        sd = delayed.state_dict()
+        for i in range(delayed.capacity - 3):
+            delayed.register(f"late{i}", roles=(I,))
+        delayed.step()
+        delayed.load_state_dict(delayed.state_dict())
+        assert _ptrs(delayed) == before
+        assert len(sd["slots"]) == 3
+
+    def test_growth_after_the_first_step_is_refused(self, delayed):
+        """A registration that would move the buffers after the first step raises, naming reserve()."""
+        delayed.register("a", roles=(I,))
+        delayed.step()
+        for i in range(delayed.capacity - 1):
+            delayed.register(f"b{i}", roles=(I,))
+        before = _ptrs(delayed)
+        with pytest.raises(SlotError, match=r"manager\.reserve\(17\)"):
+            delayed.register("one_too_many", roles=(I,))
+        assert "one_too_many" not in delayed.handles and _ptrs(delayed) == before
+
+    def test_reserve_before_the_first_step(self, delayed):
+        """reserve() makes room up front, so later registrations never move the buffers."""
+        delayed.reserve(1000)
+        delayed.register("a", roles=(I,))
+        delayed.step()
+        before = _ptrs(delayed)
+        for i in range(900):
+            delayed.register(f"b{i}", roles=(I,))
+        assert _ptrs(delayed) == before and delayed.capacity >= 1000
+
+    @pytest.mark.parametrize("bad", [-1, 2.5, True, "10"])
+    def test_reserve_rejects_bad_counts(self, delayed, bad):
+        """reserve() takes an int >= 0."""
+        with pytest.raises(SlotError, match="reserve"):
+            delayed.reserve(bad)
+
+    def test_buffers_are_live_views(self, delayed):
+        """buffers() shows the state itself: a step changes what an earlier view shows."""
+        h = delayed.register("a", roles=(I,))
+        view = delayed.buffers()["amax_history"]
+        with delayed.forward():
+            h.quantize(torch.full((2,), 7.0), I)
+        delayed.step()
+        assert view[0, -1].item() == 7.0
+        assert set(delayed.buffers()) == {"amax_history", "scale", "step_amax"}
