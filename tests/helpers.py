@@ -86,6 +86,9 @@ class Model(nn.Module):
         super().__init__()
         if kind == "linear":
             layers: list[nn.Module] = [ss.nn.Linear(DIM, DIM, manager=manager, name="fc")]
+        elif kind == "mlp":  # bias-free ReLU MLP: compiled code computes its bits exactly as eager
+            mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM, bias=False), nn.ReLU(), nn.Linear(2 * DIM, DIM, bias=False))
+            layers = [ss.nn.convert(mlp, manager)]
         else:  # the demo's transformer block: attention and MLP of ss.nn.Linear, layer norms, residuals
             blocks = ss.nn.convert(nn.Sequential(*(Block(DIM, n_heads=2) for _ in range(n_blocks))), manager)
             layers = list(blocks)
@@ -113,12 +116,14 @@ class Record:
     params: list[dict[str, Tensor]] = attrs.Factory(list)
     histories: list[Tensor] = attrs.Factory(list)
     scales: list[Tensor] = attrs.Factory(list)
+    #: Pending amaxes after each step (and after its evaluation pass, if any).
+    step_amaxes: list[Tensor] = attrs.Factory(list)
 
 
 def data(steps: int, microbatches: int, *, kind: str = "block", seed: int = 1) -> list[list[Tensor]]:
     """Per step, per microbatch, an input whose range grows with the step."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (4, DIM) if kind == "linear" else (2, 8, DIM)
+    shape = {"linear": (4, DIM), "mlp": (8, DIM)}.get(kind, (2, 8, DIM))
     return [
         [torch.randn(shape, generator=gen) * (1 + step) * (1 + 0.5 * mb) for mb in range(microbatches)]
         for step in range(steps)
@@ -143,6 +148,8 @@ def train(
     order: list[int] | None = None,
     lr: float = 0.05,
     device: str = "cpu",
+    compile_kwargs: dict[str, Any] | None = None,
+    warmup_steps: int = 2,
 ) -> Record:
     """Train from a fixed seed and record outputs, grads, params and scaling state per step.
 
@@ -155,6 +162,8 @@ def train(
     ``order``: the order in which each step's microbatches run.
     ``lr``: AdamW learning rate (0 keeps the weights fixed).
     ``device``: where the model and data live.
+    ``compile_kwargs``: run the model through ``torch.compile(model, **compile_kwargs)``;
+    after ``warmup_steps`` steps any recompilation is an error.
     """
     torch.manual_seed(0)
     manager = ss.ScalingStateManager(recipe, backend=backend, **(manager_kwargs or {}))
@@ -162,15 +171,16 @@ def train(
     model = Model(manager, kind=kind, mechanism=mechanism, granularity=granularity).to(device, dtype)
     rec.model = model
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    run = torch.compile(model, **compile_kwargs) if compile_kwargs is not None else model
 
     def fwd(x: Tensor) -> tuple[Tensor, Tensor]:
         if uncached:
             manager.invalidate_casts()
         if explicit_phases:
             with manager.forward():
-                y = model(x)
+                y = run(x)
         else:
-            y = model(x)
+            y = run(x)
         return y, (y.float() ** 2).mean()
 
     def bwd(loss: Tensor) -> None:
@@ -180,7 +190,9 @@ def train(
         else:
             loss.backward()
 
-    for step_inputs in data(steps, microbatches, kind=kind):
+    for step, step_inputs in enumerate(data(steps, microbatches, kind=kind)):
+        if compile_kwargs is not None and step == warmup_steps:
+            torch._dynamo.config.error_on_recompile = True
         if order is not None:
             step_inputs = [step_inputs[i] for i in order]
         xs = [x.to(device, dtype).requires_grad_() for x in step_inputs]
@@ -220,11 +232,14 @@ def train(
         manager.step()
         if evaluate:
             with torch.no_grad():
-                model(step_inputs[0].to(device, dtype) * 50)
+                run(step_inputs[0].to(device, dtype) * 50)
         sd = manager.state_dict()
         rec.params.append({k: p.detach().clone() for k, p in model.named_parameters()})
         rec.histories.append(sd["amax_history"])
         rec.scales.append(sd["scale"])
+        rec.step_amaxes.append(sd["step_amax"])
+    if compile_kwargs is not None:
+        torch._dynamo.config.error_on_recompile = False
     return rec
 
 

@@ -1,0 +1,134 @@
+"""torch.compile: the scaling state of compiled training is eager's (invariant 13).
+
+Every run trains 5 steps of 2 microbatches with phase blocks and step()
+outside the compiled model, checkpointing inside it, and a no_grad
+evaluation pass after every step; from the third step on any recompilation
+is an error. Under ``aot_eager`` (which keeps every op's bits) everything is
+compared bitwise: outputs, gradients, parameters, histories, scales. Under
+inductor, the bias-free ReLU MLP is still bitwise (its kernels compute the
+same bits as ATen); the transformer block's LayerNorm and GELU kernels differ
+from ATen's by an ulp, so its state is compared within the tolerances below.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import scalestate as ss
+from helpers import Record, assert_bitwise, train
+
+RECIPES = {"delayed": ss.DelayedScaling(history_len=4), "current": ss.CurrentScaling()}
+#: Checkpointing inside the compiled model: none, torch's non-reentrant checkpoint per block, checkpoint_wrapper.
+CHECKPOINTS = {"none": ("non_reentrant", "none"), "non_reentrant": ("non_reentrant", "block"), "wrapper": ("wrapper", "block")}
+
+#: Inductor against eager for the transformer block: the largest difference of amax histories,
+#: scales and outputs, relative to the tensor's largest magnitude (measured: <= 3.5e-7).
+BLOCK_INDUCTOR_RTOL = 1e-6
+#: ... and of parameters, in learning rates per step: AdamW's first steps divide each gradient
+#: element by its own magnitude, so an ulp of difference in a near-zero gradient (or one FP8
+#: rounding flipped by it) moves a parameter by up to the learning rate (measured: <= 0.2).
+BLOCK_INDUCTOR_PARAM_LRS_PER_STEP = 1.0
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch, and a failed one leaves recompilation allowed."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.config.error_on_recompile = False
+    torch._dynamo.reset()
+
+
+@functools.cache
+def _eager(kind: str, recipe: str, backend: str, checkpoint: str) -> Record:
+    mechanism, granularity = CHECKPOINTS[checkpoint]
+    return train(RECIPES[recipe], backend, kind=kind, mechanism=mechanism, granularity=granularity, evaluate=True)
+
+
+def _compiled(kind: str, recipe: str, backend: str, checkpoint: str, compiler: str, fullgraph: bool) -> Record:
+    mechanism, granularity = CHECKPOINTS[checkpoint]
+    rec = train(
+        RECIPES[recipe], backend, kind=kind, mechanism=mechanism, granularity=granularity, evaluate=True,
+        compile_kwargs={"backend": compiler, "fullgraph": fullgraph},
+    )
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+    return rec
+
+
+def _evaluation_recorded_nothing(rec: Record) -> None:
+    for step, pending in enumerate(rec.step_amaxes):
+        assert not pending.any(), f"the evaluation pass after step {step} recorded {pending.tolist()}"
+
+
+class TestAotEagerIsBitwise:
+    """aot_eager keeps every op's bits: compiled training must equal eager exactly."""
+
+    @pytest.mark.parametrize("fullgraph", [False, True], ids=["default", "fullgraph"])
+    @pytest.mark.parametrize("checkpoint", sorted(CHECKPOINTS))
+    @pytest.mark.parametrize("backend", ["emulation", "scaled_mm"])
+    @pytest.mark.parametrize("recipe", sorted(RECIPES))
+    def test_mlp(self, recipe, backend, checkpoint, fullgraph):
+        """A converted MLP: outputs, gradients, parameters, histories and scales, every step."""
+        got = _compiled("mlp", recipe, backend, checkpoint, "aot_eager", fullgraph)
+        assert_bitwise(_eager("mlp", recipe, backend, checkpoint), got)
+        _evaluation_recorded_nothing(got)
+
+    @pytest.mark.parametrize("checkpoint", sorted(CHECKPOINTS))
+    @pytest.mark.parametrize("backend", ["emulation", "scaled_mm"])
+    @pytest.mark.parametrize("recipe", sorted(RECIPES))
+    def test_transformer_block(self, recipe, backend, checkpoint):
+        """The tests' transformer blocks (attention, MLP, layer norms) under fullgraph."""
+        got = _compiled("block", recipe, backend, checkpoint, "aot_eager", True)
+        assert_bitwise(_eager("block", recipe, backend, checkpoint), got)
+        _evaluation_recorded_nothing(got)
+
+
+class TestInductor:
+    @pytest.mark.parametrize("backend", ["emulation", "scaled_mm"])
+    @pytest.mark.parametrize("recipe", sorted(RECIPES))
+    def test_mlp_is_bitwise(self, recipe, backend):
+        """The bias-free ReLU MLP, checkpointed, fullgraph: bitwise eager's, state and parameters."""
+        got = _compiled("mlp", recipe, backend, "non_reentrant", "inductor", True)
+        assert_bitwise(_eager("mlp", recipe, backend, "non_reentrant"), got)
+        _evaluation_recorded_nothing(got)
+
+    @pytest.mark.parametrize("recipe", sorted(RECIPES))
+    def test_transformer_block_within_tolerance(self, recipe):
+        """The transformer blocks, checkpointed: histories, scales and outputs within
+        BLOCK_INDUCTOR_RTOL of eager; parameters within BLOCK_INDUCTOR_PARAM_LRS_PER_STEP."""
+        want = _eager("block", recipe, "emulation", "non_reentrant")
+        got = _compiled("block", recipe, "emulation", "non_reentrant", "inductor", True)
+        pairs = [*zip(got.outputs, want.outputs, strict=True), *zip(got.histories, want.histories, strict=True)]
+        pairs += list(zip(got.scales, want.scales, strict=True))
+        for a, b in pairs:
+            assert (a - b).abs().max() <= BLOCK_INDUCTOR_RTOL * b.abs().max()
+        lr = 0.05  # the harness's AdamW learning rate
+        for step, (mine, theirs) in enumerate(zip(got.params, want.params, strict=True)):
+            for name, value in theirs.items():
+                assert (mine[name] - value).abs().max() <= BLOCK_INDUCTOR_PARAM_LRS_PER_STEP * lr * (step + 1)
+        _evaluation_recorded_nothing(got)
+
+
+class TestCompiledLayer:
+    def test_first_cast_inside_a_compiled_checkpoint(self):
+        """A manager whose first cast happens inside a compiled, checkpointed region settles its
+        device and backend there (no graph break, no error)."""
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="scaled_mm")
+        layer = ss.nn.Linear(16, 16, bias=False, manager=m)
+
+        def fn(x):
+            return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+
+        x = torch.randn(4, 16, requires_grad=True)
+        with m.forward():
+            y = torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+        with m.backward():
+            y.sum().backward()
+        m.step()
+        assert m.backend.name == "scaled_mm" and bool((m.state_dict()["amax_history"][:, -1] > 0).all())
