@@ -23,7 +23,11 @@ from helpers import Record, assert_bitwise, train
 
 RECIPES = {"delayed": ss.DelayedScaling(history_len=4), "current": ss.CurrentScaling()}
 #: Checkpointing inside the compiled model: none, torch's non-reentrant checkpoint per block, checkpoint_wrapper.
-CHECKPOINTS = {"none": ("non_reentrant", "none"), "non_reentrant": ("non_reentrant", "block"), "wrapper": ("wrapper", "block")}
+CHECKPOINTS = {
+    "none": ("non_reentrant", "none"),
+    "non_reentrant": ("non_reentrant", "block"),
+    "wrapper": ("wrapper", "block"),
+}
 
 #: Inductor against eager for the transformer block: the largest difference of amax histories,
 #: scales and outputs, relative to the tensor's largest magnitude (measured: <= 3.5e-7).
