@@ -42,7 +42,7 @@ class CastSpec:
 class CastRequest(NamedTuple):
     """One cast, fully decided by the manager.
 
-    The result is ``Quantized(data, scale, scale_inv, transposed)`` with
+    The result is ``Quantized(data, scale=..., scale_inv=..., transposed=...)`` with
     ``data = saturate(x * scale)`` rounded to nearest even in ``spec.dtype``
     (values beyond ``±spec.fp8_max`` become ``±spec.fp8_max``; NaN stays NaN),
     ``scale_inv = torch.reciprocal(scale)``, and both scales fresh tensors,

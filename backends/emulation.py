@@ -50,7 +50,7 @@ class EmulationBackend:
         if request.record is not None:
             torch.maximum(request.record, amax, out=request.record)
         transposed = data.t().contiguous() if request.transpose else None
-        return Quantized(data, scale, torch.reciprocal(scale), transposed)
+        return Quantized(data, scale=scale, scale_inv=torch.reciprocal(scale), transposed=transposed)
 
     def wants_transposed(self, device: torch.device) -> bool:
         """False: products of dequantized operands take any layout."""

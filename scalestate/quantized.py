@@ -35,7 +35,7 @@ class Quantized:
 
     Args:
         data: the FP8 values (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``).
-        scale: the multiplier that was applied before rounding; derived as
+        scale: (keyword) the multiplier that was applied before rounding; derived as
             ``1 / scale_inv`` when not given.
         scale_inv: the dequantization factor; ``torch.reciprocal(scale)`` when not given.
         transposed: optional contiguous ``data.t()`` (2-d data only).
@@ -63,6 +63,7 @@ class Quantized:
     def __init__(
         self,
         data: Tensor,
+        *,
         scale: Tensor | None = None,
         scale_inv: Tensor | None = None,
         transposed: Tensor | None = None,
@@ -110,7 +111,7 @@ class Quantized:
             raise ScaleStateError(f"Quantized.t() needs 2-d data; got shape {tuple(self.data.shape)}")
         data = self.transposed if self.transposed is not None else self.data.t()
         transposed = self.data if self.transposed is not None else None
-        return Quantized(data, _t(self.scale), _t(self.scale_inv), transposed)
+        return Quantized(data, scale=_t(self.scale), scale_inv=_t(self.scale_inv), transposed=transposed)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """``data * scale_inv`` in ``dtype`` (computed in float32)."""

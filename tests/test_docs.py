@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import scalestate as ss
+from helpers import assert_bitwise, train
 from scalestate import backends, errors, nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +66,64 @@ class TestReadme:
             for x, y in zip(a, b, strict=True):
                 assert torch.equal(x, y)
         assert bool((run(False)[-1][2][:, -1] > 0).all())
+
+
+    def test_compile_loop(self):
+        """The README's torch.compile loop runs as written and trains the scaling state."""
+        block = next(b for b in _python_blocks(ROOT / "README.md") if "torch.compile(model)" in b)
+        manager = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+        model = ss.nn.convert(
+            torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.ReLU(), torch.nn.Linear(32, 1)), manager
+        )
+        loss_model = torch.nn.Sequential(model, _MeanSquare())
+        namespace = {
+            "torch": torch, "model": loss_model, "manager": manager,
+            "opt": torch.optim.SGD(loss_model.parameters(), lr=0.01),
+            "loader": [torch.randn(8, 16) for _ in range(3)],
+        }
+        torch._dynamo.reset()
+        exec(compile(block, "README.md", "exec"), namespace)
+        assert manager.iteration == 3 and bool((manager.state_dict()["amax_history"][:, -1] > 0).all())
+
+    def test_module_library_example_compiles(self):
+        """The README's third-party module compiles with fullgraph=True and matches eager bitwise."""
+        namespace: dict = {}
+        exec(compile(_python_blocks(ROOT / "README.md")[1], "README.md", "exec"), namespace)
+
+        def run(compiled: bool):
+            m = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+            torch.manual_seed(0)
+            layer = namespace["MyFP8Linear"](m, "mine", 32, 16)
+            call = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+            for step in range(3):
+                with m.forward():
+                    y = call(torch.randn(8, 32) * (step + 1))
+                with m.backward():
+                    y.square().mean().backward()
+                m.step()
+            return m.state_dict(), layer.weight.grad
+
+        torch._dynamo.reset()
+        (want, want_grad), (got, got_grad) = run(False), run(True)
+        assert torch.equal(want["amax_history"], got["amax_history"]) and torch.equal(want["scale"], got["scale"])
+        assert torch.equal(want_grad, got_grad)
+
+
+class _MeanSquare(torch.nn.Module):
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return y.square().mean()
+
+
+class TestBackendsPage:
+    def test_worked_backend(self):
+        """docs/backends.md's third-party backend, written from the interface alone, trains
+        bit for bit like the emulation backend (checkpointing and microbatches included)."""
+        block = next(b for b in _python_blocks(ROOT / "docs" / "backends.md") if "class MyBackend" in b)
+        exec(compile(block, "backends.md", "exec"), {})
+        assert ss.backends.get_backend("mine").name == "mine"
+        for recipe in (ss.DelayedScaling(history_len=4), ss.CurrentScaling()):
+            mine = train(recipe, "mine", mechanism="non_reentrant", granularity="block")
+            assert_bitwise(train(recipe, "emulation", mechanism="non_reentrant", granularity="block"), mine)
 
 
 class TestApiReference:

@@ -464,3 +464,67 @@ class TestDevice:
         delayed.to("cpu")
         after = delayed.state_dict()
         assert torch.equal(before["amax_history"], after["amax_history"])
+
+
+class TestCastRequests:
+    """What the manager hands the backend: every decision made, nothing left to do after."""
+
+    def _spy(self, manager):
+        requests, inside, outside = [], [False], []
+        real = manager.backend.cast
+
+        def spy(request):
+            requests.append(request)
+            inside[0] = True
+            try:
+                return real(request)
+            finally:
+                inside[0] = False
+
+        manager.backend.cast = spy  # type: ignore[method-assign]
+
+        class Outside(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not inside[0]:
+                    outside.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        return requests, outside, Outside
+
+    def test_recorded_cast_is_one_request_and_nothing_else(self, delayed):
+        """A recorded cast is one request naming the slot's accumulator; the manager dispatches no
+        tensor operation of its own (a fusing backend records in its single pass)."""
+        h = delayed.register("fc", roles=(I,))
+        x = torch.randn(4, 8)
+        with delayed.forward():
+            h.quantize(x, I)
+        delayed.step()
+        with delayed.forward():
+            h.quantize(x, I)  # the slot now has history: known on the host from here on
+        requests, outside, Outside = self._spy(delayed)
+        with delayed.forward(), Outside():
+            q = h.quantize(x, I)
+        assert outside == []
+        (request,) = requests
+        assert request.jit is False and request.record is not None and not request.transpose
+        assert torch.equal(request.scale, h.scale(I)) and torch.equal(q.scale, h.scale(I))
+        assert request.record.data_ptr() == delayed.buffers()["step_amax"][0].data_ptr()
+
+    @pytest.mark.parametrize("kind", ["evaluation", "recompute"])
+    def test_unrecorded_casts_name_no_accumulator(self, delayed, kind):
+        """Evaluation and recompute casts hand the backend no record target."""
+        h = delayed.register("fc", roles=(I,))
+        requests, _, _ = self._spy(delayed)
+        with torch.no_grad() if kind == "evaluation" else delayed.recompute():
+            h.quantize(torch.randn(4), I)
+        assert requests[0].record is None
+
+    def test_just_in_time_and_transpose(self, delayed):
+        """Before any history the request scales just in time; transpose is passed through."""
+        h = delayed.register("fc", roles=(I,))
+        requests, _, _ = self._spy(delayed)
+        with delayed.forward():
+            q = h.quantize(torch.randn(4, 6), I, transpose=True)
+        assert requests[0].jit is True and requests[0].transpose and q.transposed is not None
+        with pytest.raises(ScaleStateError, match=r"transpose=True needs a 2-d tensor"):
+            h.quantize(torch.randn(4), I, transpose=True)

@@ -13,7 +13,7 @@ E4M3 = torch.float8_e4m3fn
 
 def _q(values, scale=2.0, **kwargs) -> ss.Quantized:
     s = torch.tensor(scale)
-    return ss.Quantized((torch.tensor(values) * s).to(E4M3), s, torch.reciprocal(s), **kwargs)
+    return ss.Quantized((torch.tensor(values) * s).to(E4M3), scale=s, scale_inv=torch.reciprocal(s), **kwargs)
 
 
 class TestQuantized:
@@ -27,7 +27,7 @@ class TestQuantized:
         """scale is the very multiplier given, not 1 / scale_inv (which differs for this one)."""
         s = torch.tensor(1.459067940711975)
         assert not torch.equal(torch.reciprocal(torch.reciprocal(s)), s)
-        q = ss.Quantized(torch.zeros(2, dtype=E4M3), s, torch.reciprocal(s))
+        q = ss.Quantized(torch.zeros(2, dtype=E4M3), scale=s, scale_inv=torch.reciprocal(s))
         assert q.scale is s
 
     def test_one_scale_derives_the_other(self):
@@ -38,10 +38,15 @@ class TestQuantized:
         with pytest.raises(ScaleStateError, match="scale or scale_inv"):
             ss.Quantized(torch.zeros(1, dtype=E4M3))
 
+    def test_scales_are_keyword_only(self):
+        """The two scales are passed by name, so one is never taken for the other."""
+        with pytest.raises(TypeError):
+            ss.Quantized(torch.zeros(1, dtype=E4M3), torch.tensor(0.5))  # type: ignore[misc]
+
     def test_rejects_non_fp8_data(self):
         """data must be a float8 dtype; the error names what it got."""
         with pytest.raises(ScaleStateError, match=r"torch\.float32"):
-            ss.Quantized(torch.zeros(2), torch.tensor(1.0), torch.tensor(1.0))
+            ss.Quantized(torch.zeros(2), scale=torch.tensor(1.0))
 
     def test_transpose_is_a_view_and_shares_scale(self):
         """t() without a transposed copy: a view of data, same 0-d scales."""
@@ -55,7 +60,7 @@ class TestQuantized:
         """t() with a transposed copy: that copy (contiguous), and the original as its transposed."""
         base = _q([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
         copy = base.data.t().contiguous()
-        q = ss.Quantized(base.data, base.scale, base.scale_inv, copy)
+        q = ss.Quantized(base.data, scale=base.scale, scale_inv=base.scale_inv, transposed=copy)
         t = q.t()
         assert t.data is copy and t.data.is_contiguous() and t.transposed is q.data
         assert torch.equal(t.dequantize(), q.dequantize().t())
@@ -65,7 +70,7 @@ class TestQuantized:
         """2-d scales are transposed with the data, so dequantize still matches."""
         data = torch.tensor([[1.0, 2.0], [3.0, 4.0]]).to(E4M3)
         scale = torch.tensor([[2.0], [4.0]])
-        q = ss.Quantized(data, scale, torch.reciprocal(scale))
+        q = ss.Quantized(data, scale=scale, scale_inv=torch.reciprocal(scale))
         assert torch.equal(q.t().dequantize(), q.dequantize().t())
 
     def test_transpose_needs_2d(self):
@@ -93,7 +98,7 @@ class TestCompile:
 
         def fn(x):
             s = torch.tensor(2.0)
-            q = ss.Quantized((x * s).to(E4M3), s, torch.reciprocal(s))
+            q = ss.Quantized((x * s).to(E4M3), scale=s, scale_inv=torch.reciprocal(s))
             return q.t(), q.dequantize()
 
         torch._dynamo.reset()

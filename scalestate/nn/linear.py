@@ -55,10 +55,10 @@ class _FP8Linear(torch.autograd.Function):
         if need_x or need_w:
             qg = handle.quantize(grad_out, Role.GRAD_OUTPUT, transpose=ctx.x_is_transposed)
             if need_x:
-                qw = Quantized(w_data, w_scale, w_scale_inv, w_transposed)
+                qw = Quantized(w_data, scale=w_scale, scale_inv=w_scale_inv, transposed=w_transposed)
                 grad_x = _product(backend, qg, qw, x_dtype)
             if need_w:
-                qx = Quantized(x_data, x_scale, x_scale_inv)
+                qx = Quantized(x_data, scale=x_scale, scale_inv=x_scale_inv)
                 grad_w = _product(backend, qg.t(), qx.t() if ctx.x_is_transposed else qx, w_dtype)
         if need_b:
             grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
