@@ -88,23 +88,22 @@ _marks = _Marks()
 
 
 @contextlib.contextmanager
-def recompute_region() -> Iterator[None]:
+def _marked(mark: str) -> Iterator[None]:
+    setattr(_marks, mark, getattr(_marks, mark) + 1)
+    try:
+        yield
+    finally:
+        setattr(_marks, mark, getattr(_marks, mark) - 1)
+
+
+def recompute_region() -> contextlib.AbstractContextManager[None]:
     """Mark the code run inside as a recompute, for every manager."""
-    _marks.recompute += 1
-    try:
-        yield
-    finally:
-        _marks.recompute -= 1
+    return _marked("recompute")
 
 
-@contextlib.contextmanager
-def training_forward_region() -> Iterator[None]:
+def training_forward_region() -> contextlib.AbstractContextManager[None]:
     """Mark the code run inside as a training forward even with grad disabled."""
-    _marks.training += 1
-    try:
-        yield
-    finally:
-        _marks.training -= 1
+    return _marked("training")
 
 
 class Signals(NamedTuple):
