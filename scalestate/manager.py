@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from scalestate.backends import Backend, CastRequest, CastSpec, get_backend, resolve_backend, validate_backend
-from scalestate.errors import BackendUnavailableError, CastError, PhaseError, ScaleStateError, SlotError
+from scalestate.backends import Backend, CastRequest, CastSpec
+from scalestate.binding import BackendBinding, canonical_device, settle_during_trace
+from scalestate.errors import CastError, PhaseError, ScaleStateError, SlotError
 from scalestate.handle import ScalingHandle
 from scalestate.persist import to_state_dict, validate
 from scalestate.phase import CastKind, Phase, classify, in_training_function_forward, read_signals
@@ -80,17 +81,7 @@ class ScalingStateManager:
             raise ScaleStateError(
                 f"recipe must be ss.DelayedScaling(...) or ss.CurrentScaling(...); got {recipe!r}"
             )
-        dev = _canonical(torch.device(device)) if device is not None else None
-        # A name is looked up now (an unknown one fails at once); whether the backend
-        # can run, and which one "auto" means, is decided for the state's device:
-        # now if `device` was given, else at the first cast.
-        self._backend_name = backend if isinstance(backend, str) else validate_backend(backend).name
-        self._backend: Backend | None = None
-        if not isinstance(backend, str):
-            self._backend = backend
-        elif backend != "auto":
-            self._backend = get_backend(backend)
-        self._backend_checked = False
+        dev = canonical_device(device) if device is not None else None
         self._recipe: Recipe = recipe
         self._rule = recipe.rule
         self._delayed = recipe.delayed
@@ -99,9 +90,10 @@ class ScalingStateManager:
             for role in Role
         }
         self._state = State(dev or torch.device("cpu"), recipe.history_len, debug=bool(debug))
+        self._binding = BackendBinding(backend, self._state)
         self._handles: dict[str, ScalingHandle] = {}
         if dev is not None:
-            self._settle(dev)
+            self._binding.settle(dev)
 
     # ----------------------------------------------------------------- info
     @property
@@ -112,33 +104,7 @@ class ScalingStateManager:
     @property
     def backend(self) -> Backend:
         """The backend instance doing casts, products and updates, checked for the state's device."""
-        if torch.compiler.is_compiling():
-            # Settled by an eager call, so that the compiled code never sees the check change state.
-            _settle_during_trace(self, None)
-            return self._checked
-        if self._backend_checked and self._backend is not None:
-            return self._backend
-        return self._check_backend()
-
-    @property
-    def _checked(self) -> Backend:
-        if self._backend is None:  # only reachable if settling failed, which raised
-            raise BackendUnavailableError(f"backend {self._backend_name!r} was never resolved")
-        return self._backend
-
-    def _check_backend(self) -> Backend:
-        device = self._state.device
-        if self._backend is None:
-            self._backend = resolve_backend("auto", device)
-        else:
-            ok, reason = self._backend.available(device)
-            if not ok:
-                raise BackendUnavailableError(
-                    f"backend {self._backend_name!r} cannot run on {device}: {reason}. "
-                    "Use backend='auto' or backend='emulation'"
-                )
-        self._backend_checked = True
-        return self._backend
+        return self._binding.backend
 
     @property
     def phase(self) -> Phase:
@@ -184,9 +150,8 @@ class ScalingStateManager:
         return self._state.capacity
 
     def __repr__(self) -> str:
-        backend = self._backend.name if self._backend_checked and self._backend else self._backend_name
         return (
-            f"<ScalingStateManager(recipe={type(self._recipe).__name__}, backend={backend!r}, "
+            f"<ScalingStateManager(recipe={type(self._recipe).__name__}, backend={self._binding.label!r}, "
             f"phase={self.phase.name}, slots={len(self._state)}, step={self.iteration})>"
         )
 
@@ -236,7 +201,7 @@ class ScalingStateManager:
     # --------------------------------------------------------------- phases
     def begin_forward(self) -> None:
         """Enter the training forward phase (lasts until another ``begin_*()`` or :meth:`step`)."""
-        self._begin(Phase.FORWARD, "begin_forward()")
+        self._state.phases.begin(Phase.FORWARD, "begin_forward()")
 
     def begin_recompute(self) -> None:
         """Enter the recompute phase: forward casts use the step's scales and record nothing.
@@ -244,21 +209,11 @@ class ScalingStateManager:
         For frameworks that recompute outside autograd; torch's checkpoint
         mechanisms are recognised without it.
         """
-        self._begin(Phase.RECOMPUTE, "begin_recompute()")
+        self._state.phases.begin(Phase.RECOMPUTE, "begin_recompute()")
 
     def begin_backward(self) -> None:
         """Enter the backward phase: gradient casts are recorded; forward casts are recomputes."""
-        self._begin(Phase.BACKWARD, "begin_backward()")
-
-    def _begin(self, phase: Phase, call: str) -> None:
-        phases = self._state.phases
-        if phases.blocks and phase is not Phase.RECOMPUTE:
-            raise PhaseError(
-                f"{call} called inside `with manager.{phases.blocks[-1][0].value}()`, which sets the "
-                "phase itself and restores it on exit; leave the block first, or use either "
-                "the blocks or the begin_*() calls, not both"
-            )
-        phases.phase = phase
+        self._state.phases.begin(Phase.BACKWARD, "begin_backward()")
 
     def forward(self) -> contextlib.AbstractContextManager[ScalingStateManager]:
         """A training forward block: ``with manager.forward(): loss = model(x)``."""
@@ -274,21 +229,8 @@ class ScalingStateManager:
 
     @contextlib.contextmanager
     def _block(self, phase: Phase) -> Iterator[ScalingStateManager]:
-        phases = self._state.phases
-        if phase is not Phase.RECOMPUTE:
-            for open_phase, _ in phases.blocks:
-                if open_phase is not phase:
-                    raise PhaseError(
-                        f"`with manager.{phase.value}()` entered inside "
-                        f"`with manager.{open_phase.value}()`; close the "
-                        f"{open_phase.value} block before starting a {phase.value} block"
-                    )
-        phases.blocks.append((phase, phases.phase))
-        phases.phase = phase
-        try:
+        with self._state.phases.block(phase):
             yield self
-        finally:
-            _, phases.phase = phases.blocks.pop()
 
     # ----------------------------------------------------------------- step
     def step(self) -> None:
@@ -304,11 +246,9 @@ class ScalingStateManager:
                 evaluation), which would leave its forward scales unfed.
         """
         st = self._state
-        if st.phases.blocks:
-            raise PhaseError(
-                f"step() called inside `with manager.{st.phases.blocks[-1][0].value}()`; call step() "
-                "once per optimizer step, after the forward and backward blocks have closed"
-            )
+        st.phases.require_no_block(
+            "step()", "call step() once per optimizer step, after the forward and backward blocks have closed"
+        )
         self._check_forward_recorded()
         self.backend.update(st.step_update(self._rule))
         st.freeze()
@@ -341,9 +281,9 @@ class ScalingStateManager:
         st = self._state
         compiling = torch.compiler.is_compiling()
         if compiling:
-            _settle_during_trace(self, x.device)
-        elif not (st.pinned and self._backend_checked) or x.device != st.device:
-            self._settle(x.device)
+            settle_during_trace(self._binding, x.device)
+        elif not self._binding.ready or x.device != st.device:
+            self._binding.settle(x.device)
         kind = self._classify(slot, compiling) if slot.forward else CastKind.RECORD
         if slot.role is Role.WEIGHT and not compiling:
             return self._cast_weight(slot, x, kind, transpose)
@@ -356,7 +296,7 @@ class ScalingStateManager:
         record = acc if kind is CastKind.RECORD else None
         jit = st.jit(slot, delayed=self._delayed, compiling=compiling)
         request = CastRequest(x.detach() if x.requires_grad else x, slot.spec, scale, jit, record, transpose)
-        q = self._checked.cast(request)
+        q = self._binding.backend.cast(request)
         if record is not None and not compiling:
             (st.forward_recorded if slot.forward else st.backward_recorded).add(slot.name)
         return q
@@ -377,7 +317,7 @@ class ScalingStateManager:
         st = self._state
         amax = torch.zeros((), dtype=torch.float32, device=st.device)
         jit = st.jit(slot, delayed=self._delayed, compiling=compiling)
-        q = self._checked.cast(CastRequest(x.detach(), slot.spec, st.views_of(slot)[0], jit, amax, transpose))
+        q = self._binding.backend.cast(CastRequest(x.detach(), slot.spec, st.views_of(slot)[0], jit, amax, transpose))
         return q, amax
 
     def _cast_weight(self, slot: Slot, x: Tensor, kind: CastKind, transpose: bool) -> Quantized:
@@ -412,34 +352,6 @@ class ScalingStateManager:
         return self._state.history_of(slot).clone()
 
     # --------------------------------------------------------------- device
-    def _settle(self, device: torch.device | None) -> None:
-        """Fix the state's device (following the first tensor cast) and check the backend for it.
-
-        ``device=None`` checks the backend for the state's current device only.
-        """
-        st = self._state
-        if device is None:
-            if not self._backend_checked:
-                self._check_backend()
-            return
-        if device != st.device:
-            if st.pinned:
-                raise ScaleStateError(
-                    f"a tensor on {device} was cast, but this manager's state lives on {st.device} and "
-                    f"is already in use; use one manager per device, or call manager.to({str(device)!r}) "
-                    "between steps"
-                )
-            st.to(device)
-            self._forget_backend_check()
-        st.pinned = True
-        if not self._backend_checked:
-            self._check_backend()
-
-    def _forget_backend_check(self) -> None:
-        self._backend_checked = False
-        if self._backend_name == "auto":
-            self._backend = None
-
     def to(self, device: torch.device | str) -> ScalingStateManager:
         """Move the state to ``device``, every value kept (a step's pending amaxes too).
 
@@ -447,11 +359,8 @@ class ScalingStateManager:
         chosen again) for the new device. The buffers move: CUDA graphs
         captured before must be captured again.
         """
-        if self._state.phases.blocks:
-            raise PhaseError("to() called inside a phase block; move the state between steps")
-        self._state.to(_canonical(torch.device(device)))
-        self._forget_backend_check()
-        self._settle(self._state.device)
+        self._state.phases.require_no_block("to()", "move the state between steps")
+        self._binding.move(canonical_device(device))
         return self
 
     def invalidate_casts(self) -> None:
@@ -476,11 +385,7 @@ class ScalingStateManager:
             StateDictError: missing keys, another recipe, other slots, bad shapes or values.
         """
         st = self._state
-        if st.phases.blocks:
-            raise PhaseError(
-                f"load_state_dict() called inside `with manager.{st.phases.blocks[-1][0].value}()`; "
-                "load between steps: after step() and before the next forward"
-            )
+        st.phases.require_no_block("load_state_dict()", "load between steps: after step() and before the next forward")
         if st.forward_recorded or st.backward_recorded:
             raise PhaseError(
                 "load_state_dict() called in the middle of a step (casts were recorded since the "
@@ -488,28 +393,3 @@ class ScalingStateManager:
             )
         loaded = validate(state_dict, st, self._recipe)
         st.load(loaded.history, loaded.scales, loaded.step_amax, loaded.iteration)
-
-
-def _settle(manager: ScalingStateManager, device: torch.device | None) -> bool:
-    manager._settle(device)
-    return True
-
-
-#: ``manager._settle(device)``, run for real even while ``torch.compile`` traces.
-#: Fixing the device and checking the backend happens once, before the first
-#: cast; when that first cast is inside a compiled region, the compiler runs
-#: this eagerly at trace time (it is not traced, so the compiled code never
-#: sees the state it sets change) and keeps tracing with the settled state.
-_settle_during_trace: Callable[[ScalingStateManager, torch.device | None], bool] = (
-    torch._dynamo.assume_constant_result(_settle)  # type: ignore[no-untyped-call]  # torch leaves it untyped
-)
-
-
-def _canonical(device: torch.device) -> torch.device:
-    """The device as tensors report it: ``cuda`` is the current GPU's index, ``cpu:0`` is ``cpu``."""
-    index: int | None = device.index  # torch's stubs say int; it is None when not given
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.type == "cuda" and index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from scalestate.errors import PhaseError
 from scalestate.recipe import Direction
 
 __all__ = ["CastKind", "Phase", "PhaseStack", "Signals", "classify", "read_signals"]
@@ -73,6 +74,38 @@ class PhaseStack(threading.local):
         self.phase = Phase.IDLE
         #: Open blocks: (the block's phase, the phase to restore on exit).
         self.blocks: list[tuple[Phase, Phase]] = []
+
+    def begin(self, phase: Phase, call: str) -> None:
+        """Switch to ``phase`` (``call`` names the method for errors); recompute may start inside a block."""
+        if self.blocks and phase is not Phase.RECOMPUTE:
+            raise PhaseError(
+                f"{call} called inside `with manager.{self.blocks[-1][0].value}()`, which sets the "
+                "phase itself and restores it on exit; leave the block first, or use either "
+                "the blocks or the begin_*() calls, not both"
+            )
+        self.phase = phase
+
+    @contextlib.contextmanager
+    def block(self, phase: Phase) -> Iterator[None]:
+        """Set ``phase`` for the block and restore the previous one on exit, also on error."""
+        if phase is not Phase.RECOMPUTE:
+            for open_phase, _ in self.blocks:
+                if open_phase is not phase:
+                    raise PhaseError(
+                        f"`with manager.{phase.value}()` entered inside `with manager.{open_phase.value}()`; "
+                        f"close the {open_phase.value} block before starting a {phase.value} block"
+                    )
+        self.blocks.append((phase, self.phase))
+        self.phase = phase
+        try:
+            yield
+        finally:
+            _, self.phase = self.blocks.pop()
+
+    def require_no_block(self, call: str, fix: str) -> None:
+        """Raise a PhaseError naming ``call``, the open block and ``fix`` if a block is open."""
+        if self.blocks:
+            raise PhaseError(f"{call} called inside `with manager.{self.blocks[-1][0].value}()`; {fix}")
 
 
 class _Marks(threading.local):

@@ -1,0 +1,125 @@
+"""Which backend a manager uses, on which device: settled once, then fixed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from scalestate.backends import Backend, get_backend, resolve_backend, validate_backend
+from scalestate.errors import BackendUnavailableError, ScaleStateError
+from scalestate.state import State
+
+__all__ = ["BackendBinding", "canonical_device", "settle_during_trace"]
+
+
+class BackendBinding:
+    """A manager's backend, bound to the device of its state.
+
+    A backend name is looked up at once (an unknown one fails at construction);
+    whether the backend can run, and which one ``"auto"`` means, is decided
+    for the state's device: at construction when a device was given, else at
+    the first cast, whose tensor's device the state then follows. From then
+    on the device is fixed until an explicit :meth:`move`.
+    """
+
+    def __init__(self, backend: str | Backend, state: State) -> None:
+        self._state = state
+        self._name = backend if isinstance(backend, str) else validate_backend(backend).name
+        self._backend: Backend | None = None
+        if not isinstance(backend, str):
+            self._backend = backend
+        elif backend != "auto":
+            self._backend = get_backend(backend)
+        self._checked = False
+
+    @property
+    def ready(self) -> bool:
+        """True once the device is fixed and the backend checked for it."""
+        return self._checked and self._state.pinned
+
+    @property
+    def label(self) -> str:
+        """The backend's name once settled, else the name asked for (``"auto"``)."""
+        return self._backend.name if self._checked and self._backend is not None else self._name
+
+    @property
+    def backend(self) -> Backend:
+        """The backend, checked for the state's device."""
+        if torch.compiler.is_compiling():
+            # Settled by an eager call, so that compiled code never sees the check change state.
+            settle_during_trace(self, None)
+        elif not self._checked:
+            self._check()
+        if self._backend is None:  # only reachable if settling failed, which raised
+            raise BackendUnavailableError(f"backend {self._name!r} was never resolved")
+        return self._backend
+
+    def _check(self) -> None:
+        device = self._state.device
+        if self._backend is None:
+            self._backend = resolve_backend("auto", device)
+        else:
+            ok, reason = self._backend.available(device)
+            if not ok:
+                raise BackendUnavailableError(
+                    f"backend {self._name!r} cannot run on {device}: {reason}. "
+                    "Use backend='auto' or backend='emulation'"
+                )
+        self._checked = True
+
+    def settle(self, device: torch.device | None) -> None:
+        """Fix the state's device (following the first tensor cast) and check the backend for it.
+
+        ``device=None`` checks the backend for the state's current device only.
+        While ``torch.compile`` traces, call :func:`settle_during_trace` instead.
+        """
+        state = self._state
+        if device is not None:
+            if device != state.device:
+                if state.pinned:
+                    raise ScaleStateError(
+                        f"a tensor on {device} was cast, but this manager's state lives on {state.device} "
+                        f"and is already in use; use one manager per device, or call "
+                        f"manager.to({str(device)!r}) between steps"
+                    )
+                self.move(device)
+                return
+            state.pinned = True
+        if not self._checked:
+            self._check()
+
+    def move(self, device: torch.device) -> None:
+        """Move the state to ``device``, values kept, and check (or for ``"auto"`` choose) the backend again."""
+        self._state.to(device)
+        self._state.pinned = True
+        self._checked = False
+        if self._name == "auto":
+            self._backend = None
+        self._check()
+
+
+def _settle(binding: BackendBinding, device: torch.device | None) -> bool:
+    binding.settle(device)
+    return True
+
+
+#: ``binding.settle(device)``, run for real even while ``torch.compile`` traces.
+#: Settling happens once, before the first cast; when that cast is inside a
+#: compiled region, the compiler runs this eagerly at trace time (it is not
+#: traced, so the compiled code never sees the state it sets change) and keeps
+#: tracing with the settled state.
+settle_during_trace: Callable[[BackendBinding, torch.device | None], bool] = (
+    torch._dynamo.assume_constant_result(_settle)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+)
+
+
+def canonical_device(device: torch.device | str) -> torch.device:
+    """The device as tensors report it: ``cuda`` is the current GPU's index, ``cpu:0`` is ``cpu``."""
+    device = torch.device(device)
+    index: int | None = device.index  # torch's stubs say int; it is None when not given
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda" and index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
