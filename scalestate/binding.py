@@ -85,14 +85,14 @@ class BackendBinding:
                     )
                 self.move(device)
                 return
-            state.pinned = True
+            state.pin()
         if not self._checked:
             self._check()
 
     def move(self, device: torch.device) -> None:
         """Move the state to ``device``, values kept, and check (or for ``"auto"`` choose) the backend again."""
         self._state.to(device)
-        self._state.pinned = True
+        self._state.pin()
         self._checked = False
         if self._name == "auto":
             self._backend = None

@@ -257,7 +257,7 @@ class ScalingStateManager:
 
     def _check_forward_recorded(self) -> None:
         st = self._state
-        for name in sorted(st.backward_recorded - st.forward_recorded):
+        for name in st.backward_only():
             if any(role.direction is Direction.FORWARD for role in self._handles[name].roles):
                 raise PhaseError(
                     f"slot {name!r} was cast for GRAD_OUTPUT in this step, but none of its forward "
@@ -298,7 +298,7 @@ class ScalingStateManager:
         request = CastRequest(x.detach() if x.requires_grad else x, slot.spec, scale, jit, record, transpose)
         q = self._binding.backend.cast(request)
         if record is not None and not compiling:
-            (st.forward_recorded if slot.forward else st.backward_recorded).add(slot.name)
+            st.note_recorded(slot)
         return q
 
     def _classify(self, slot: Slot, compiling: bool) -> CastKind:
@@ -338,7 +338,7 @@ class ScalingStateManager:
         if kind is CastKind.RECORD:
             acc = st.views_of(slot)[1]
             torch.maximum(acc, amax, out=acc)
-            (st.forward_recorded if slot.forward else st.backward_recorded).add(slot.name)
+            st.note_recorded(slot)
         if st.checker is not None and slot.forward:
             if kind is CastKind.RECORD:
                 st.checker.forward(slot, float(amax))
@@ -386,7 +386,7 @@ class ScalingStateManager:
         """
         st = self._state
         st.phases.require_no_block("load_state_dict()", "load between steps: after step() and before the next forward")
-        if st.forward_recorded or st.backward_recorded:
+        if st.recorded_since_step:
             raise PhaseError(
                 "load_state_dict() called in the middle of a step (casts were recorded since the "
                 "last step()); load between steps: after step() and before the next forward"

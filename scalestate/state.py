@@ -62,25 +62,67 @@ class State:
         self._frozen = False
         #: Per-row views of the scale and accumulator buffers (see views_of).
         self._views: list[tuple[Tensor, Tensor]] = []
-        #: The device is fixed once a tensor was cast (until an explicit move).
-        self.pinned = False
-        #: Number of step() calls.
-        self.iteration = 0
-        #: Bumped whenever scales may change (step, load): invalidates weight casts.
-        self.epoch = 0
+        self._pinned = False
+        self._iteration = 0
+        self._epoch = 0
         #: False until the first step or load: every row is then without history.
         self._may_have_history = False
         #: Rows known to have history (a row never loses it).
         self._with_history: set[int] = set()
         #: Names whose forward / backward casts were recorded in this step.
-        self.forward_recorded: set[str] = set()
-        self.backward_recorded: set[str] = set()
-        #: Per-thread phases and blocks.
-        self.phases = PhaseStack()
-        #: Cached weight casts.
-        self.casts = WeightCastCache()
-        #: Debug mode's check that recomputes reproduce their forward.
-        self.checker = RecomputeChecker() if debug else None
+        self._forward_recorded: set[str] = set()
+        self._backward_recorded: set[str] = set()
+        self._phases = PhaseStack()
+        self._casts = WeightCastCache()
+        self._checker = RecomputeChecker() if debug else None
+
+    # ------------------------------------------------------- bookkeeping
+    @property
+    def pinned(self) -> bool:
+        """True once a tensor was cast: the device is then fixed (until an explicit move)."""
+        return self._pinned
+
+    def pin(self) -> None:
+        """Fix the device."""
+        self._pinned = True
+
+    @property
+    def iteration(self) -> int:
+        """Number of step() calls (restored by a load)."""
+        return self._iteration
+
+    @property
+    def epoch(self) -> int:
+        """Bumped whenever scales may change (step, load); weight casts are valid for one epoch."""
+        return self._epoch
+
+    @property
+    def phases(self) -> PhaseStack:
+        """Per-thread phases and open blocks."""
+        return self._phases
+
+    @property
+    def casts(self) -> WeightCastCache:
+        """Cached weight casts."""
+        return self._casts
+
+    @property
+    def checker(self) -> RecomputeChecker | None:
+        """Debug mode's check that recomputes reproduce their forward (None outside debug mode)."""
+        return self._checker
+
+    def note_recorded(self, slot: Slot) -> None:
+        """A cast of ``slot`` was recorded in this step."""
+        (self._forward_recorded if slot.forward else self._backward_recorded).add(slot.name)
+
+    @property
+    def recorded_since_step(self) -> bool:
+        """True if any cast was recorded since the last step."""
+        return bool(self._forward_recorded or self._backward_recorded)
+
+    def backward_only(self) -> list[str]:
+        """Names recorded in this step by backward casts only, sorted."""
+        return sorted(self._backward_recorded - self._forward_recorded)
 
     # ------------------------------------------------------------ buffers
     def _alloc(self, rows: int, cols: int | None = None, *, fill: float = 0.0) -> Tensor:
@@ -210,7 +252,7 @@ class State:
         self._fp8_max = self._fp8_max.to(device)
         self._device = device
         self._views.clear()
-        self.casts.clear()
+        self._casts.clear()
 
     # ------------------------------------------------------------- values
     def jit(self, slot: Slot, *, delayed: bool, compiling: bool) -> bool | Tensor:
@@ -243,21 +285,21 @@ class State:
         self.history.copy_(history)
         self.scales.copy_(scales)
         self.step_amax.copy_(step_amax)
-        self.iteration = iteration
-        self.epoch += 1
+        self._iteration = iteration
+        self._epoch += 1
         self._may_have_history = True
         self._with_history.clear()
-        self.casts.clear()
-        if self.checker is not None:
-            self.checker.clear()
+        self._casts.clear()
+        if self._checker is not None:
+            self._checker.clear()
 
     def end_step(self) -> None:
         """Forget the step's bookkeeping after the buffers were updated."""
-        self.iteration += 1
-        self.epoch += 1
+        self._iteration += 1
+        self._epoch += 1
         self._may_have_history = True
-        self.forward_recorded.clear()
-        self.backward_recorded.clear()
-        self.casts.clear()
-        if self.checker is not None:
-            self.checker.clear()
+        self._forward_recorded.clear()
+        self._backward_recorded.clear()
+        self._casts.clear()
+        if self._checker is not None:
+            self._checker.clear()

@@ -387,14 +387,21 @@ class TestMicrobatchesAndEvaluation:
         assert manager.iteration == 2
 
     @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+    @pytest.mark.parametrize("requires_grad", [False, True])
     @pytest.mark.parametrize("mechanism", ["torch", "ss"])
-    def test_evaluation_through_reentrant_checkpoint(self, manager, mechanism):
-        """An evaluation pass through a reentrant-checkpointed model records nothing."""
+    def test_evaluation_through_reentrant_checkpoint(self, manager, mechanism, requires_grad):
+        """A no_grad pass through a reentrant-checkpointed model records nothing, even when its input
+        requires grad (as Hugging Face models with gradient checkpointing make it); the same call
+        with grad enabled is training and records."""
         layer = ss.nn.Linear(16, 8, manager=manager, name="fc")
         run = functools.partial(tcp.checkpoint if mechanism == "torch" else ss.checkpoint, use_reentrant=True)
+        x = (torch.randn(4, 16) * 300).requires_grad_(requires_grad)
         with torch.no_grad():
-            run(layer, torch.randn(4, 16) * 300)
+            run(layer, x)
         assert manager.state_dict()["step_amax"].tolist() == [0.0, 0.0, 0.0]
+        if requires_grad:
+            run(layer, x)
+            assert _row_amax(manager, "fc", I) == x.abs().max().item()
 
     def test_no_grad_inside_forward_phase_records(self, manager):
         """Inside an explicit forward phase a no_grad pass is a training forward."""
