@@ -29,7 +29,7 @@ from scalestate.phase import Phase
 from scalestate.quantized import Quantized
 from scalestate.recipe import CurrentScaling, DelayedScaling, Direction, Format, Recipe, Role
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CurrentScaling",

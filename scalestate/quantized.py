@@ -24,7 +24,7 @@ class Quantized:
 
     ``scale`` is the very multiplier of the cast (an adapter that needs it must
     not compute ``1 / scale_inv``, which differs from ``scale`` for about one
-    float32 in seven); ``scale_inv`` is ``torch.reciprocal(scale)``. Both are
+    float32 in six); ``scale_inv`` is ``torch.reciprocal(scale)``. Both are
     float32 tensors that broadcast against ``data``: 0-d for per-tensor
     recipes, other shapes for finer-grained ones. ``transposed``, when present,
     holds the values of ``data.t()`` laid out contiguously (``data`` in
