@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from scalestate.backends import Backend, get_backend, resolve_backend, validate_backend
@@ -99,19 +97,21 @@ class BackendBinding:
         self._check()
 
 
-def _settle(binding: BackendBinding, device: torch.device | None) -> bool:
+def settle_during_trace(binding: BackendBinding, device: torch.device | None) -> bool:
+    """``binding.settle(device)``, run for real even while ``torch.compile`` traces.
+
+    Settling happens once, before the first cast; when that cast is inside a
+    compiled region, the compiler runs this eagerly at trace time (it does not
+    trace it, so the compiled code never sees the state it sets change) and
+    keeps tracing with the settled state.
+    """
     binding.settle(device)
     return True
 
 
-#: ``binding.settle(device)``, run for real even while ``torch.compile`` traces.
-#: Settling happens once, before the first cast; when that cast is inside a
-#: compiled region, the compiler runs this eagerly at trace time (it is not
-#: traced, so the compiled code never sees the state it sets change) and keeps
-#: tracing with the settled state.
-settle_during_trace: Callable[[BackendBinding, torch.device | None], bool] = (
-    torch._dynamo.assume_constant_result(_settle)  # type: ignore[no-untyped-call]  # torch leaves it untyped
-)
+# What torch.compiler.assume_constant_result(fn) does (a test checks that it still
+# does), without importing the compiler, which would double `import scalestate`'s time.
+settle_during_trace._dynamo_marked_constant = True  # type: ignore[attr-defined]  # the compiler's own mark
 
 
 def canonical_device(device: torch.device | str) -> torch.device:

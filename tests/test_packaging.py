@@ -36,6 +36,27 @@ class TestLayout:
         )
         assert result.stdout.strip() == "['scalestate.backends.base']", result.stderr
 
+    def test_import_leaves_the_compiler_alone(self, tmp_path):
+        """Importing scalestate (and making a manager) does not import torch's compiler, which would
+        double the import time; the compiler's mark on the one function it must not trace is set
+        the way torch.compiler.assume_constant_result sets it."""
+        result = _run(
+            "import sys, scalestate as ss; ss.ScalingStateManager(ss.DelayedScaling()); "
+            "print('torch._dynamo' in sys.modules)",
+            tmp_path,
+        )
+        assert result.stdout.strip() == "False", result.stderr
+        import torch
+
+        from scalestate.binding import settle_during_trace
+
+        def probe() -> int:
+            return 1
+
+        marked = torch.compiler.assume_constant_result(probe)
+        assert [k for k in vars(marked) if k.startswith("_dynamo")] == ["_dynamo_marked_constant"]
+        assert vars(settle_during_trace)["_dynamo_marked_constant"] is True
+
     def test_py_typed(self):
         """The package ships its type information marker."""
         assert (Path(scalestate.__file__).parent / "py.typed").exists()
