@@ -38,7 +38,9 @@ def checkpoint(
         use_reentrant: passed to torch; the reentrant forward (which torch runs
             under ``no_grad``) is marked as a training forward.
         context_fn: non-reentrant only, as in torch (e.g. selective activation
-            checkpointing contexts); composed with the recompute mark.
+            checkpointing contexts); composed with the recompute mark. Inside a
+            ``torch.compile``d region the call is torch's own, unmarked: the
+            compiler replays the recompute from its graph.
         **kwargs: passed to torch (``preserve_rng_state``, ``determinism_check``, ...).
 
     Example:
@@ -68,6 +70,13 @@ def checkpoint(
                 return fn(*a, **k)
 
         return torch.utils.checkpoint.checkpoint(marked, *args, use_reentrant=True, **kwargs)
+
+    if torch.compiler.is_compiling():
+        # Inside a compiled region the compiler replays the recompute from its graph, where no
+        # cast runs again: nothing to mark (and the compiler takes only its own context_fns).
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
     def contexts() -> tuple[ContextManager[Any], ContextManager[Any]]:
         forward_ctx, recompute_ctx = (
