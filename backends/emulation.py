@@ -73,7 +73,7 @@ class EmulationBackend:
             or q.scale_inv.dim() != 0
             or torch.compiler.is_compiling()
         ):
-            return data.float() * q.scale_inv
+            return data.to(torch.float32).mul_(q.scale_inv)
         table = self._e4m3_tables.get(data.device)
         if table is None:
             codes = torch.arange(256, dtype=torch.uint8, device=data.device)

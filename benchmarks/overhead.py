@@ -4,7 +4,10 @@ Prints, on one CPU thread by default:
 
 1. eager forward + backward of a tiny layer (16 x 16, 16 rows):
    ``torch.nn.Linear`` against ``ss.nn.Linear`` (emulation backend; delayed
-   scaling after warm-up, and current scaling), as microseconds and ratios;
+   scaling after warm-up, and current scaling), as microseconds and ratios,
+   and the same tensor operations written out by hand with no framework
+   around them (at this size each operation's dispatch dominates: this row
+   is the floor the operations themselves set);
 2. the same under ``torch.compile`` (inductor; compile time excluded);
 3. ``manager.step()`` at 10, 1,000 and 10,000 slots (a slot is one
    (name, role) row), with the number of tensor operations it dispatches;
@@ -68,7 +71,48 @@ def _layers(compiled: bool) -> dict[str, Callable[[], None]]:
             call(x).sum().backward()
 
         fns[f"ss.nn.Linear ({label})"] = run
+    if not compiled:
+        fns["same ops, hand-written"] = _hand_written()
     return fns
+
+
+def _hand_written() -> Callable[[], None]:
+    """The tensor operations of ss.nn.Linear's eager step (delayed scaling, cached weight), written
+    out with no framework around them: what this machine's per-operation cost alone allows."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 16, requires_grad=True)
+    w, b = torch.randn(16, 16, requires_grad=True), torch.randn(16, requires_grad=True)
+    scales, acc = torch.ones(3), torch.zeros(3)
+
+    def cast(t: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        amax = torch.linalg.vector_norm(t, float("inf"))
+        scale = scales[row].clone()
+        data = (t * scale).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+        torch.maximum(acc[row], amax, out=acc[row])
+        return data, torch.reciprocal(scale)
+
+    wd, ws = cast(w.detach(), 1)
+
+    class Mm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, xd: Any, xs: Any) -> Any:
+            ctx.save_for_backward(xd, xs)
+            return torch.mm(xd.float() * xs, (wd.float() * ws).t()) + b
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> Any:
+            xd, xs = ctx.saved_tensors
+            gd, gs = cast(g, 2)
+            gx = torch.mm(gd.float() * gs, wd.float() * ws)
+            gw = torch.mm((gd.float() * gs).t(), xd.float() * xs)
+            return gx, gw, g.sum(0), None, None
+
+    def run() -> None:
+        xd, xs = cast(x.detach(), 0)
+        torch.maximum(acc[1], acc[1], out=acc[1])  # the cached weight's record
+        Mm.apply(x, w, b, xd, xs).sum().backward()
+
+    return run
 
 
 def _print_layers(title: str, times: dict[str, float]) -> None:
