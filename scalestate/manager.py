@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -22,8 +21,6 @@ from scalestate.recipe import CurrentScaling, DelayedScaling, Direction, Recipe,
 from scalestate.state import Slot, State
 
 __all__ = ["ScalingStateManager"]
-
-_log = logging.getLogger("scalestate")
 
 
 class ScalingStateManager:
