@@ -118,6 +118,8 @@ class Record:
     scales: list[Tensor] = attrs.Factory(list)
     #: Pending amaxes after each step (and after its evaluation pass, if any).
     step_amaxes: list[Tensor] = attrs.Factory(list)
+    #: Compiled runs: graphs dynamo compiled after the warm-up steps (by its own counters).
+    compiles_after_warmup: int | None = None
 
 
 def data(steps: int, microbatches: int, *, kind: str = "block", seed: int = 1) -> list[list[Tensor]]:
@@ -190,8 +192,10 @@ def train(
         else:
             loss.backward()
 
+    graphs_at_warmup = 0
     for step, step_inputs in enumerate(data(steps, microbatches, kind=kind)):
         if compile_kwargs is not None and step == warmup_steps:
+            graphs_at_warmup = _compiled_graphs()
             torch._dynamo.config.error_on_recompile = True
         if order is not None:
             step_inputs = [step_inputs[i] for i in order]
@@ -240,7 +244,15 @@ def train(
         rec.step_amaxes.append(sd["step_amax"])
     if compile_kwargs is not None:
         torch._dynamo.config.error_on_recompile = False
+        rec.compiles_after_warmup = _compiled_graphs() - graphs_at_warmup
     return rec
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (its own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _strip(name: str) -> str:

@@ -3,7 +3,8 @@
 Every run trains 5 steps of 2 microbatches with phase blocks and step()
 outside the compiled model, checkpointing inside it, and a no_grad
 evaluation pass after every step; from the third step on any recompilation
-is an error. Under ``aot_eager`` (which keeps every op's bits) everything is
+is an error, and dynamo's own counters must show no graph compiled after the
+second step. Under ``aot_eager`` (which keeps every op's bits) everything is
 compared bitwise: outputs, gradients, parameters, histories, scales. Under
 inductor, the bias-free ReLU MLP is still bitwise (its kernels compute the
 same bits as ATen); the transformer block's LayerNorm and GELU kernels differ
@@ -65,6 +66,7 @@ def _compiled(kind: str, recipe: str, backend: str, checkpoint: str, compiler: s
     )
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
     assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+    assert rec.compiles_after_warmup == 0, f"{rec.compiles_after_warmup} graphs compiled after warm-up"
     return rec
 
 
@@ -93,6 +95,13 @@ class TestAotEagerIsBitwise:
         """The tests' transformer blocks (attention, MLP, layer norms) under fullgraph."""
         got = _compiled("block", recipe, backend, checkpoint, "aot_eager", True)
         assert_bitwise(_eager("block", recipe, backend, checkpoint), got)
+        _evaluation_recorded_nothing(got)
+
+    @pytest.mark.parametrize("recipe", sorted(RECIPES))
+    def test_transformer_block_default_mode(self, recipe):
+        """The transformer blocks, checkpointed, in torch.compile's default mode (no graph break either)."""
+        got = _compiled("block", recipe, "emulation", "non_reentrant", "aot_eager", False)
+        assert_bitwise(_eager("block", recipe, "emulation", "non_reentrant"), got)
         _evaluation_recorded_nothing(got)
 
 

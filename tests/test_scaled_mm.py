@@ -43,9 +43,17 @@ class TestScaledMM:
         g, w = torch.randn(16, 8), torch.randn(8, 32)
         want = ScaledMMBackend().scaled_mm(cast(g), cast(w), out_dtype=torch.float32)
         qg, qw = cast(g, transpose=True), cast(w, transpose=True)
-        assert torch.equal(ScaledMMBackend().scaled_mm(qg, qw, out_dtype=torch.float32), want)
-        _, b = _layout(qg, qw, pad=False)
-        assert qw.transposed is not None and b.data_ptr() == qw.transposed.data_ptr()
+        seen = []
+        real = torch._scaled_mm
+
+        def spy(a, b, *args, **kwargs):
+            seen.append(b)
+            return real(a, b, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "_scaled_mm", spy)
+            assert torch.equal(ScaledMMBackend().scaled_mm(qg, qw, out_dtype=torch.float32), want)
+        assert qw.transposed is not None and seen[0].data_ptr() == qw.transposed.data_ptr()
 
     def test_cpu_availability_reason(self):
         """Available on CPU in this torch, with a reason naming it."""
@@ -58,7 +66,8 @@ class TestScaledMM:
         assert not EmulationBackend().wants_transposed(torch.device("cpu"))
 
     def test_cuda_layout(self):
-        """cuBLASLt's rules: layouts made, odd dimensions zero-padded (the product is unchanged)."""
+        """cuBLASLt's rules, checked on CPU through the layout helper: layouts made, odd dimensions
+        zero-padded (the product is unchanged), two E5M2 operands refused."""
         e5 = Quantized(torch.zeros(16, 16, dtype=torch.float8_e5m2), scale_inv=torch.tensor(1.0))
         with pytest.raises(BackendUnavailableError, match="two E5M2"):
             _layout(e5, e5, pad=True)
