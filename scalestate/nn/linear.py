@@ -31,9 +31,9 @@ class _FP8Linear(torch.autograd.Function):
         qx: Quantized,
         qw: Quantized,
         handle: ScalingHandle,
+        backend: Backend,
         out_dtype: torch.dtype,
     ) -> Tensor:
-        backend = handle.manager.backend
         out = _product(backend, qx, qw.t(), out_dtype, bias)
         # The weight-gradient product needs x in the other layout: keep only that copy when the cast made it.
         x_data = qx.data if qx.transposed is None else qx.transposed
@@ -62,7 +62,7 @@ class _FP8Linear(torch.autograd.Function):
                 grad_w = _product(backend, qg.t(), qx.t() if ctx.x_is_transposed else qx, w_dtype)
         if need_b:
             grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def _product(
@@ -95,11 +95,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    transpose = handle.manager.backend.wants_transposed(x.device)
+    backend = handle.manager.backend
+    transpose = backend.wants_transposed(x.device)
     qx = handle.quantize(x2, Role.INPUT, transpose=transpose)
     qw = handle.quantize(weight, Role.WEIGHT, transpose=transpose)
     # torch types Function.apply as untyped; its result here is the forward's Tensor
-    out: Tensor = _FP8Linear.apply(x2, weight, bias, qx, qw, handle, out_dtype)  # type: ignore[no-untyped-call]
+    out: Tensor = _FP8Linear.apply(x2, weight, bias, qx, qw, handle, backend, out_dtype)  # type: ignore[no-untyped-call]
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
