@@ -157,13 +157,8 @@ class Signals(NamedTuple):
 
 def read_signals(phase: Phase, *, compiling: bool) -> Signals:
     """The signals of the current thread for a cast made now."""
-    return Signals(
-        phase=phase,
-        grad_enabled=torch.is_grad_enabled(),
-        in_backward=None if compiling else torch._C._current_graph_task_id() != -1,
-        recompute_mark=_marks.recompute > 0,
-        training_mark=_marks.training > 0,
-    )
+    in_backward = None if compiling else torch._C._current_graph_task_id() != -1
+    return Signals(phase, torch.is_grad_enabled(), in_backward, _marks.recompute > 0, _marks.training > 0)
 
 
 def classify(
