@@ -87,8 +87,7 @@ class ScalingHandle:
                 the same pass, for products that need the other layout (see
                 ``manager.backend.wants_transposed(device)``).
         """
-        slot = self._slots.get(role) if isinstance(role, Role) else None
-        return self._manager._cast(slot if slot is not None else self._slot(role), x, transpose)
+        return self._manager._cast(self._slot(role), x, transpose)
 
     def scale(self, role: Role) -> Tensor:
         """A copy of the slot's current scale (0-d float32)."""
