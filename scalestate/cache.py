@@ -68,6 +68,3 @@ class WeightCastCache:
     def clear(self) -> None:
         """Forget every cast."""
         self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)

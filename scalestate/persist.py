@@ -99,7 +99,7 @@ def validate(sd: object, state: State, recipe: Recipe) -> LoadedState:
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
         raise StateDictError(f"iteration must be an int >= 0; got {iteration!r}")
     order = _row_order(sd["slots"], state)
-    n, h = len(state.slots), state.history_len
+    n, h = len(state), state.history_len
     history = _tensor(sd, "amax_history", (n, h))
     scales = _tensor(sd, "scale", (n,))
     step_amax = _tensor(sd, "step_amax", (n,))

@@ -239,11 +239,6 @@ class State:
         """From now on the buffers never move (called at the first step)."""
         self._frozen = True
 
-    @property
-    def frozen(self) -> bool:
-        """True once the buffers may no longer move."""
-        return self._frozen
-
     def to(self, device: torch.device) -> None:
         """Move every buffer to ``device`` (values kept; an explicit move, frozen or not)."""
         self._history = self._history.to(device)
@@ -286,20 +281,20 @@ class State:
         self.scales.copy_(scales)
         self.step_amax.copy_(step_amax)
         self._iteration = iteration
-        self._epoch += 1
-        self._may_have_history = True
         self._with_history.clear()
-        self._casts.clear()
-        if self._checker is not None:
-            self._checker.clear()
+        self._new_epoch()
 
     def end_step(self) -> None:
         """Forget the step's bookkeeping after the buffers were updated."""
         self._iteration += 1
-        self._epoch += 1
-        self._may_have_history = True
         self._forward_recorded.clear()
         self._backward_recorded.clear()
+        self._new_epoch()
+
+    def _new_epoch(self) -> None:
+        """Scales may have changed: weight casts and debug mode's pending amaxes are void."""
+        self._epoch += 1
+        self._may_have_history = True
         self._casts.clear()
         if self._checker is not None:
             self._checker.clear()
