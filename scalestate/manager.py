@@ -285,7 +285,7 @@ class ScalingStateManager:
         if slot.role is Role.WEIGHT and not compiling:
             return self._cast_weight(slot, x, kind, transpose)
         if st.checker is not None and not compiling and kind is not CastKind.EVALUATION:
-            q, amax = self._cast_keeping_amax(slot, x, transpose, compiling)
+            q, amax = self._cast_keeping_amax(slot, x, transpose)
             self._record(slot, kind, amax)
             return q
         # Eager casts reuse views made once; compiled code derives them from the buffers itself.
@@ -309,11 +309,11 @@ class ScalingStateManager:
             )
         return kind
 
-    def _cast_keeping_amax(self, slot: Slot, x: Tensor, transpose: bool, compiling: bool) -> tuple[Quantized, Tensor]:
-        """A cast that records its amax into a fresh 0-d tensor (for the cache and debug mode)."""
+    def _cast_keeping_amax(self, slot: Slot, x: Tensor, transpose: bool) -> tuple[Quantized, Tensor]:
+        """An eager cast that records its amax into a fresh 0-d tensor (for the cache and debug mode)."""
         st = self._state
         amax = torch.zeros((), dtype=torch.float32, device=st.device)
-        jit = st.jit(slot, delayed=self._delayed, compiling=compiling)
+        jit = st.jit(slot, delayed=self._delayed, compiling=False)
         q = self._binding.backend.cast(CastRequest(x.detach(), slot.spec, st.views_of(slot)[0], jit, amax, transpose))
         return q, amax
 
@@ -324,7 +324,7 @@ class ScalingStateManager:
         if entry is not None and (entry.quantized.transposed is not None or not transpose):
             q, amax = entry.quantized, entry.amax
         else:
-            q, amax = self._cast_keeping_amax(slot, x, transpose, compiling=False)
+            q, amax = self._cast_keeping_amax(slot, x, transpose)
             st.casts.put(slot, x, st.epoch, q, amax)
         self._record(slot, kind, amax)
         return q
