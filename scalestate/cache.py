@@ -26,8 +26,10 @@ class CachedCast:
     version: int
     epoch: int
     quantized: Quantized
-    #: 0-d amax of the weight, recorded again on every training use.
-    amax: Tensor
+    #: 0-d amax of the weight, kept for training uses when the cast itself
+    #: recorded nothing; ``None`` when the cast wrote it into the slot's
+    #: accumulator (which only grows within an epoch: later uses add nothing).
+    amax: Tensor | None
 
     def matches(self, x: Tensor, epoch: int) -> bool:
         """True if ``x`` is the very tensor cast, unmodified, in this epoch."""
@@ -59,8 +61,9 @@ class WeightCastCache:
         entry = self._entries.get(slot.row)
         return entry if entry is not None and entry.matches(x, epoch) else None
 
-    def put(self, slot: Slot, x: Tensor, epoch: int, quantized: Quantized, amax: Tensor) -> None:
-        """Remember a cast of ``x``; inference tensors (which track no version) are not kept."""
+    def put(self, slot: Slot, x: Tensor, epoch: int, quantized: Quantized, amax: Tensor | None) -> None:
+        """Remember a cast of ``x`` (``amax=None``: it was recorded into the slot's accumulator);
+        inference tensors (which track no version) are not kept."""
         if torch.is_inference_mode_enabled() or x.is_inference():
             return
         self._entries[slot.row] = CachedCast(weakref.ref(x), x.data_ptr(), x._version, epoch, quantized, amax)

@@ -311,21 +311,39 @@ class ScalingStateManager:
 
     def _cast_keeping_amax(self, slot: Slot, x: Tensor, transpose: bool) -> tuple[Quantized, Tensor]:
         """An eager cast that records its amax into a fresh 0-d tensor (for the cache and debug mode)."""
+        amax = torch.zeros((), dtype=torch.float32, device=self._state.device)
+        return self._eager_cast(slot, x, transpose, amax), amax
+
+    def _eager_cast(self, slot: Slot, x: Tensor, transpose: bool, record: Tensor | None) -> Quantized:
         st = self._state
-        amax = torch.zeros((), dtype=torch.float32, device=st.device)
         jit = st.jit(slot, delayed=self._delayed, compiling=False)
-        q = self._binding.backend.cast(CastRequest(x.detach(), slot.spec, st.views_of(slot)[0], jit, amax, transpose))
-        return q, amax
+        request = CastRequest(x.detach(), slot.spec, st.views_of(slot)[0], jit, record, transpose)
+        return self._binding.backend.cast(request)
 
     def _cast_weight(self, slot: Slot, x: Tensor, kind: CastKind, transpose: bool) -> Quantized:
-        """Weights are cast once per (tensor version, scale epoch); every training use records."""
+        """Weights are cast once per (tensor version, scale epoch); every training use records.
+
+        A training cast writes its amax straight into the slot's accumulator in
+        the backend's pass; later uses in the epoch have nothing to add. A cast
+        made in recompute or evaluation (or in debug mode, which compares every
+        amax) keeps its amax aside for the training uses that hit it.
+        """
         st = self._state
         entry = st.casts.get(slot, x, st.epoch)
-        if entry is not None and (entry.quantized.transposed is not None or not transpose):
-            q, amax = entry.quantized, entry.amax
-        else:
-            q, amax = self._cast_keeping_amax(slot, x, transpose)
-            st.casts.put(slot, x, st.epoch, q, amax)
+        usable = entry is not None and (not transpose or entry.quantized.transposed is not None)
+        if entry is not None and usable and (entry.amax is not None or st.checker is None):
+            if entry.amax is not None:
+                self._record(slot, kind, entry.amax)
+            elif kind is CastKind.RECORD:
+                st.note_recorded(slot)
+            return entry.quantized
+        if kind is CastKind.RECORD and st.checker is None:
+            q = self._eager_cast(slot, x, transpose, st.views_of(slot)[1])
+            st.casts.put(slot, x, st.epoch, q, None)
+            st.note_recorded(slot)
+            return q
+        q, amax = self._cast_keeping_amax(slot, x, transpose)
+        st.casts.put(slot, x, st.epoch, q, amax)
         self._record(slot, kind, amax)
         return q
 

@@ -517,6 +517,40 @@ class TestCastRequests:
         assert torch.equal(request.scale, h.scale(I)) and torch.equal(q.scale, h.scale(I))
         assert request.record.data_ptr() == delayed.buffers()["step_amax"][0].data_ptr()
 
+    def test_recorded_weight_cast_records_in_the_backend_pass(self, delayed):
+        """A training weight cast records into the slot's accumulator in the backend's pass, and
+        the cached cast's later training uses in the step dispatch nothing at all."""
+        h = delayed.register("fc", roles=(W,))
+        w = torch.randn(8, 8, requires_grad=True)
+        for _ in range(2):  # the slot has history, and the host knows it
+            with delayed.forward():
+                h.quantize(w, W)
+            delayed.step()
+        requests, outside, Outside = self._spy(delayed)
+        with delayed.forward(), Outside():
+            q = h.quantize(w, W)
+            assert h.quantize(w, W) is q  # a second microbatch: a hit
+        assert outside == ["aten.detach.default"]  # the weight's detach, before the request
+        (request,) = requests
+        assert request.record is not None
+        assert request.record.data_ptr() == delayed.buffers()["step_amax"][0].data_ptr()
+        assert delayed.buffers()["step_amax"][0].item() == w.abs().max().item()
+
+    def test_weight_cast_in_evaluation_keeps_its_amax_for_training(self, delayed):
+        """A weight cast first made in evaluation records nothing, and its first training use in
+        the step records the amax it kept."""
+        h = delayed.register("fc", roles=(W,))
+        w = torch.randn(8, 8)
+        requests, _, _ = self._spy(delayed)
+        with torch.no_grad():
+            q = h.quantize(w, W)
+        assert delayed.buffers()["step_amax"][0].item() == 0.0
+        with delayed.forward():
+            assert h.quantize(w, W) is q
+        assert len(requests) == 1 and requests[0].record is not None
+        assert requests[0].record.data_ptr() != delayed.buffers()["step_amax"][0].data_ptr()
+        assert delayed.buffers()["step_amax"][0].item() == w.abs().max().item()
+
     @pytest.mark.parametrize("kind", ["evaluation", "recompute"])
     def test_unrecorded_casts_name_no_accumulator(self, delayed, kind):
         """Evaluation and recompute casts hand the backend no record target."""
