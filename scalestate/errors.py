@@ -14,8 +14,10 @@ __all__ = [
     "PhaseError",
     "RecipeError",
     "RecomputeMismatchError",
+    "ReductionError",
     "ScaleStateError",
     "SlotError",
+    "SlotMismatchError",
     "StateDictError",
     "UnknownBackendError",
 ]
@@ -55,3 +57,11 @@ class CastError(ScaleStateError, ValueError):
 
 class RecomputeMismatchError(ScaleStateError, RuntimeError):
     """A recomputed region observed other amax values than its forward did."""
+
+
+class SlotMismatchError(SlotError):
+    """Ranks of a reduction group registered different slots (or recipes); raised on every rank."""
+
+
+class ReductionError(ScaleStateError, RuntimeError):
+    """The step's cross-rank reduction failed: a rank died, raised, or never called ``step()``."""

@@ -5,20 +5,24 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from scalestate.backends import Backend, CastRequest, CastSpec
 from scalestate.binding import BackendBinding, canonical_device, settle_during_trace
+from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
 from scalestate.errors import CastError, PhaseError, ScaleStateError, SlotError
 from scalestate.handle import ScalingHandle
-from scalestate.persist import to_state_dict, validate
+from scalestate.persist import recipe_to_dict, to_state_dict, validate
 from scalestate.phase import CastKind, Phase, classify, in_training_function_forward, read_signals
 from scalestate.quantized import Quantized
 from scalestate.recipe import CurrentScaling, DelayedScaling, Direction, Recipe, Role, fp8_max
 from scalestate.state import Slot, State
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["ScalingStateManager"]
 
@@ -42,6 +46,12 @@ class ScalingStateManager:
         device: where the state lives; by default the device of the first tensor cast.
         debug: check that every recompute reproduces the amaxes of its forward
             (raises :class:`~scalestate.errors.RecomputeMismatchError`); eager code only.
+        group: the ranks whose step amaxes are max-reduced at every :meth:`step`
+            (one ``all_reduce``), so that they all hold identical scales: a
+            ``ProcessGroup``, a 1-D ``DeviceMesh`` or a ``(DeviceMesh, dim)``
+            pair. By default the default process group when
+            ``torch.distributed`` is initialized at the step, none otherwise;
+            ``None`` turns reduction off. See :mod:`scalestate.distributed`.
 
     .. warning:: ``debug=True`` reads amaxes back to the host on every
        recorded forward cast and every recomputed one, a device sync each.
@@ -73,6 +83,7 @@ class ScalingStateManager:
         *,
         device: torch.device | str | None = None,
         debug: bool = False,
+        group: GroupSpec = DEFAULT_GROUP,
     ) -> None:
         if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
             raise ScaleStateError(
@@ -89,6 +100,8 @@ class ScalingStateManager:
         self._state = State(dev or torch.device("cpu"), recipe.history_len, debug=bool(debug))
         self._binding = BackendBinding(backend, self._state)
         self._handles: dict[str, ScalingHandle] = {}
+        self._reduction = Reduction(group)
+        self._recipe_dict = recipe_to_dict(recipe)
         if dev is not None:
             self._binding.settle(dev)
 
@@ -124,6 +137,11 @@ class ScalingStateManager:
         return self._state.checker is not None
 
     @property
+    def group(self) -> ProcessGroup | None:
+        """The process group :meth:`step` reduces over now (``None``: no reduction)."""
+        return self._reduction.group()
+
+    @property
     def handles(self) -> Mapping[str, ScalingHandle]:
         """Registered names and their handles (read-only)."""
         return MappingProxyType(self._handles)
@@ -153,7 +171,7 @@ class ScalingStateManager:
         )
 
     # --------------------------------------------------------- registration
-    def register(self, name: str, roles: Iterable[Role] = tuple(Role)) -> ScalingHandle:
+    def register(self, name: str, roles: Iterable[Role] = tuple(Role), *, reduce: bool = True) -> ScalingHandle:
         """Register what a module casts: one slot per role, under a unique name.
 
         Amortized O(1): the state's buffers double their capacity when full.
@@ -161,6 +179,10 @@ class ScalingStateManager:
         Args:
             name: unique within the manager, e.g. the module path ``"blocks.0.fc1"``.
             roles: the roles it casts (default: INPUT, WEIGHT, GRAD_OUTPUT).
+            reduce: reduce its step amaxes across the manager's group (the
+                default). ``False`` makes its slots rank-local: for modules
+                that exist on some ranks only, such as expert-parallel experts;
+                they take no part in the reduction or the ranks' slot check.
 
         Raises:
             SlotError: the name is taken or empty, the roles are not distinct
@@ -173,6 +195,8 @@ class ScalingStateManager:
                 f"a slot named {name!r} is already registered with this manager; "
                 "names must be unique (use the module's path, e.g. 'blocks.0.fc1')"
             )
+        if not isinstance(reduce, bool):
+            raise SlotError(f"reduce must be True or False; got {reduce!r}")
         roles = tuple(roles)
         bad = [r for r in roles if not isinstance(r, Role)]
         if not roles or bad or len(set(roles)) != len(roles):
@@ -180,7 +204,7 @@ class ScalingStateManager:
                 f"roles must be distinct ss.Role values, at least one; got {roles!r} "
                 f"(allowed: {', '.join('Role.' + r.name for r in Role)})"
             )
-        slots = self._state.add(name, {role: self._specs[role] for role in roles})
+        slots = self._state.add(name, {role: self._specs[role] for role in roles}, reduce=reduce)
         handle = self._handles[name] = ScalingHandle(self, name, slots)
         return handle
 
@@ -233,20 +257,29 @@ class ScalingStateManager:
     def step(self) -> None:
         """End the step: roll every history, derive new scales, clear the accumulators.
 
-        Call once per optimizer step, after all microbatches' backward passes.
-        One fused backend update for all slots; no host-device sync. Resets the
-        calling thread's phase to ``IDLE``.
+        Call once per optimizer step, after all microbatches' backward passes,
+        on every rank of the group. With a group of more than one rank, the
+        step amaxes are first max-reduced across it by one ``all_reduce``
+        (the first step after registration changed also checks, once, that
+        every rank registered the same slots). Then one fused backend update
+        for all slots; no host-device sync. Resets the calling thread's phase
+        to ``IDLE``.
 
         Raises:
             PhaseError: called inside a phase block, or a slot's backward was
                 recorded while none of its forward casts were (they counted as
                 evaluation), which would leave its forward scales unfed.
+            SlotMismatchError: (on every rank) the ranks of the group
+                registered different slots or use different recipes.
+            ReductionError: the reduction failed: another rank died, raised
+                before step(), or did not call step() within the group's timeout.
         """
         st = self._state
         st.phases.require_no_block(
             "step()", "call step() once per optimizer step, after the forward and backward blocks have closed"
         )
         self._check_forward_recorded()
+        self._reduction.reduce(st, self._recipe_dict)
         self.backend.update(st.step_update(self._rule))
         st.freeze()
         st.end_step()

@@ -34,6 +34,8 @@ class Slot:
     row: int
     #: The role is cast in the forward pass (INPUT, WEIGHT).
     forward: bool
+    #: Reduced across the ranks of the manager's group at each step (False: rank-local).
+    reduce: bool = True
 
 
 class State:
@@ -222,14 +224,14 @@ class State:
         self._capacity = capacity
         self._views.clear()
 
-    def add(self, name: str, specs: dict[Role, CastSpec]) -> dict[Role, Slot]:
+    def add(self, name: str, specs: dict[Role, CastSpec], *, reduce: bool = True) -> dict[Role, Slot]:
         """New rows for ``name``'s roles (zero history, scale 1): their slots, by role."""
         first = len(self._slots)
         if first + len(specs) > self._capacity:
             self.reserve(first + len(specs))
         added = {}
         for i, (role, spec) in enumerate(specs.items()):
-            slot = Slot(name, role, spec, first + i, role.direction is Direction.FORWARD)
+            slot = Slot(name, role, spec, first + i, role.direction is Direction.FORWARD, reduce)
             self._fp8_max[slot.row] = spec.fp8_max
             self._slots.append(slot)
             added[role] = slot

@@ -12,10 +12,12 @@ hang costs seconds, not the CI run. ``fn`` must be a module-level function
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +54,9 @@ def _worker(
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        buffer = io.BytesIO()  # tensors go by value: a queue would share them through the dying process
+        torch.save(out, buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:  # report everything, SystemExit included
         results.put((rank, False, traceback.format_exc()))
 
@@ -68,7 +72,8 @@ def run_ranks(
     """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their results in rank order.
 
     With ``allow_failures`` a failing rank's entry is the ``str`` of its
-    traceback instead of an error (for tests of failures); a timeout always fails.
+    traceback (or of its exit code, for a rank that died) instead of an
+    error, for tests of failures; a timeout always fails.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -83,8 +88,6 @@ def run_ranks(
         p.start()
     got: dict[int, tuple[bool, Any]] = {}
     deadline = timeout
-    import time
-
     start = time.monotonic()
     try:
         while len(got) < world_size:
@@ -99,13 +102,15 @@ def run_ranks(
                 rank, ok, out = results.get(timeout=min(left, 1.0))
             except queue.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
-                if dead:
+                if dead and allow_failures:
+                    got.update({i: (False, f"died with exit code {procs[i].exitcode}") for i in dead})
+                elif dead:
                     raise RuntimeError(
                         f"ranks {dead} of {fn.__name__} died (exit codes "
                         f"{[procs[i].exitcode for i in dead]}). Finished: {_summary(got)}"
                     ) from None
                 continue
-            got[rank] = (ok, out)
+            got[rank] = (ok, _load(out) if ok else out)
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -119,6 +124,12 @@ def run_ranks(
         text = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failed.items()))
         raise AssertionError(f"{fn.__name__} failed on ranks {sorted(failed)}:\n{text}")
     return [got[rank][1] for rank in range(world_size)]
+
+
+def _load(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _summary(got: dict[int, tuple[bool, Any]]) -> str:

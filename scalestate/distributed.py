@@ -1,0 +1,214 @@
+"""Cross-rank reduction of the step amaxes: one collective per step, never a hang on a mismatch.
+
+A manager reduces over one *group* of ranks: the ranks that hold replicas
+of the same slots (data parallel, FSDP, the ranks of one tensor-parallel
+tensor). At every :meth:`~scalestate.ScalingStateManager.step`, before the
+scales are derived, the step amaxes of every reduced slot are max-reduced
+across the group by exactly one ``all_reduce(MAX)`` over one flat float32
+tensor; every rank then derives bitwise identical histories and scales from
+identical inputs.
+
+Rows are paired by slot name and role, not by registration order: ranks may
+register in different orders (lazy modules do). The first step after the
+set of slots changed (and the first step on a group) exchanges the slot
+lists once (``all_gather_object``) and raises
+:class:`~scalestate.errors.SlotMismatchError` on every rank if they differ,
+naming the slots and the ranks that have them, so that a mismatch is an
+error everywhere instead of a hang or silently mixed rows. Slots registered
+with ``reduce=False`` (experts that differ per rank) take no part.
+
+A rank that dies, raises before ``step()`` or never calls it makes the
+collective fail on the others within the group's timeout; the failure is
+raised as :class:`~scalestate.errors.ReductionError` naming the step and the
+group.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from scalestate.errors import ReductionError, ScaleStateError, SlotMismatchError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from scalestate.state import State
+
+__all__ = ["DEFAULT_GROUP", "GroupSpec", "Reduction", "describe_group", "resolve_group"]
+
+
+class _Default(enum.Enum):
+    DEFAULT_GROUP = "default"
+
+    def __repr__(self) -> str:
+        return "<the default process group, when torch.distributed is initialized>"
+
+
+#: ``group=`` default: the default process group when torch.distributed is initialized, else none.
+DEFAULT_GROUP = _Default.DEFAULT_GROUP
+
+#: What ``ScalingStateManager(group=...)`` takes.
+GroupSpec: TypeAlias = "ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] | _Default | None"
+
+
+def resolve_group(spec: Any) -> ProcessGroup | None:
+    """The process group ``spec`` names, or ``None`` for no reduction.
+
+    ``spec`` is a ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``(DeviceMesh,
+    dim)`` pair (``dim`` an index or a dimension name), ``None``, or
+    :data:`DEFAULT_GROUP` (resolved now: the default group if
+    ``torch.distributed`` is initialized, else ``None``).
+    """
+    if spec is None:
+        return None
+    if spec is DEFAULT_GROUP:
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if not dist.is_available():
+        raise ScaleStateError("group= needs torch.distributed, which this build of torch lacks; pass group=None")
+    if isinstance(spec, dist.ProcessGroup):
+        return spec
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(spec, DeviceMesh):
+        if spec.ndim != 1:
+            raise ScaleStateError(
+                f"group= takes a 1-D DeviceMesh; got one with {spec.ndim} dimensions "
+                f"{spec.mesh_dim_names or ''}: pass the data-parallel dimension, e.g. mesh['dp'] or (mesh, 'dp')"
+            )
+        return spec.get_group()
+    if (
+        isinstance(spec, tuple)
+        and len(spec) == 2
+        and isinstance(spec[0], DeviceMesh)
+        and isinstance(spec[1], (int, str))
+        and not isinstance(spec[1], bool)
+    ):
+        mesh, dim = spec
+        try:
+            group: ProcessGroup = mesh.get_group(dim)
+            return group
+        except (KeyError, ValueError, IndexError, RuntimeError) as e:
+            raise ScaleStateError(
+                f"group=(mesh, {dim!r}): the mesh has dimensions {mesh.mesh_dim_names or tuple(range(mesh.ndim))}; {e}"
+            ) from None
+    raise ScaleStateError(
+        "group= takes a torch.distributed ProcessGroup, a 1-D DeviceMesh, a (DeviceMesh, dim) pair, "
+        f"or None (no reduction); got {type(spec).__name__}"
+    )
+
+
+def describe_group(group: ProcessGroup) -> str:
+    """``group 'name' (ranks [...], backend ...)`` for messages."""
+    try:
+        ranks: Any = dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        ranks = "?"
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        backend = "?"
+    return f"group {group.group_name!r} (ranks {ranks}, backend {backend})"
+
+
+class Reduction:
+    """The step's reduction over one group: the slot agreement and the one all-reduce."""
+
+    def __init__(self, spec: Any) -> None:
+        if spec is not DEFAULT_GROUP:
+            resolve_group(spec)  # bad arguments fail at construction
+        self._spec = spec
+        #: (group, number of slots) the slot lists were last agreed for.
+        self._agreed: tuple[object, int] | None = None
+        #: Rows of the reduced slots in (name, role) order; None: every row, in row order.
+        self._rows: Tensor | None = None
+
+    @property
+    def spec(self) -> Any:
+        """What the manager was given."""
+        return self._spec
+
+    def group(self) -> ProcessGroup | None:
+        """The group reduced over now (``None``: no reduction)."""
+        return resolve_group(self._spec)
+
+    def reduce(self, state: State, recipe: dict[str, Any]) -> None:
+        """Max-reduce every reduced slot's step amax across the group, in place (one collective).
+
+        The first call after the slot set changed first agrees on the slots
+        (and the recipe) with every rank of the group.
+        """
+        group = self.group()
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        if self._agreed != (group, len(state)):
+            self._agree(state, recipe, group)
+            self._agreed = (group, len(state))
+        step_amax = state.step_amax
+        rows = self._rows
+        if rows is not None and rows.device != step_amax.device:
+            rows = self._rows = rows.to(step_amax.device)
+        flat = step_amax if rows is None else step_amax.index_select(0, rows)
+        if flat.numel() == 0:
+            return
+        self._collective(lambda: dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group), state, group)
+        if rows is not None:
+            step_amax.index_copy_(0, rows, flat)
+
+    def _agree(self, state: State, recipe: dict[str, Any], group: ProcessGroup) -> None:
+        reduced = [s for s in state.slots if s.reduce]
+        keyed = sorted(reduced, key=lambda s: (s.name, s.role.value))
+        mine = {"slots": [[s.name, s.role.value] for s in keyed], "recipe": recipe}
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        self._collective(lambda: dist.all_gather_object(gathered, mine, group=group), state, group)
+        ranks = dist.get_process_group_ranks(group)
+        _check_agreement(gathered, ranks, dist.get_rank(), group)
+        in_order = len(keyed) == len(state) and all(s.row == i for i, s in enumerate(keyed))
+        self._rows = None if in_order else torch.tensor([s.row for s in keyed], device=state.device)
+
+    @staticmethod
+    def _collective(run: Any, state: State, group: ProcessGroup) -> None:
+        try:
+            run()
+        except ScaleStateError:
+            raise
+        except Exception as e:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
+            raise ReductionError(
+                f"step {state.iteration}: the cross-rank reduction of the step amaxes over "
+                f"{describe_group(group)} failed: {str(e).strip()[:500]}. Another rank of the group "
+                "died, raised before step(), or did not call step() within the group's timeout: "
+                "every rank must call manager.step() once per optimizer step"
+            ) from e
+
+
+def _check_agreement(gathered: list[Any], ranks: list[int], me: int, group: ProcessGroup) -> None:
+    """Raise SlotMismatchError (on every rank alike) unless every rank has the same slots and recipe."""
+    recipes = [entry["recipe"] for entry in gathered]
+    if any(r != recipes[0] for r in recipes):
+        lines = "; ".join(f"rank {rank}: {r}" for rank, r in zip(ranks, recipes, strict=True))
+        raise SlotMismatchError(
+            f"the ranks of {describe_group(group)} use different recipes ({lines}); every rank that "
+            "reduces its scales with the others must build its manager with the same recipe"
+        )
+    sets = [{tuple(pair) for pair in entry["slots"]} for entry in gathered]
+    if all(s == sets[0] for s in sets):
+        return
+    everywhere = set.intersection(*sets)
+    differing = sorted(set.union(*sets) - everywhere)
+    parts = []
+    for name, role in differing[:20]:
+        have = [rank for rank, s in zip(ranks, sets, strict=True) if (name, role) in s]
+        lack = [rank for rank in ranks if rank not in have]
+        parts.append(f"{name!r} {role.upper()} on ranks {have}, not on {lack}")
+    more = f" (and {len(differing) - 20} more)" if len(differing) > 20 else ""
+    raise SlotMismatchError(
+        f"rank {me}: the ranks of {describe_group(group)} registered different slots, so their "
+        f"scales cannot be reduced together: {'; '.join(parts)}{more}. Register the same modules on "
+        "every rank before the first step(), or register slots that exist on some ranks only with "
+        "manager.register(name, roles, reduce=False) (rank-local, not reduced)"
+    )
