@@ -11,6 +11,7 @@ from scalestate.backends import Backend
 from scalestate.errors import CastError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
+from scalestate.nn import tensor_parallel
 from scalestate.quantized import Quantized
 from scalestate.recipe import Role
 
@@ -85,8 +86,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
     autocast dtype where autocast is on (the FP8 products ignore autocast:
     their operands are FP8 and they accumulate in float32). Where the
     backend's products need operands in the other layout, the casts make
-    transposed copies in the same pass.
+    transposed copies in the same pass. DTensor operands (tensor parallelism)
+    go to :func:`scalestate.nn.tensor_parallel.linear`.
     """
+    if tensor_parallel.is_distributed(x, weight, bias):
+        return tensor_parallel.linear(x, weight, bias, handle)
     if x.shape[-1] != weight.shape[1]:
         raise CastError(
             f"slot {handle.name!r}: input has {x.shape[-1]} features in its last dimension, "

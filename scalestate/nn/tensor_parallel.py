@@ -1,0 +1,357 @@
+"""Tensor parallelism: FP8 products of DTensor-sharded layers, one scale per logical tensor.
+
+Design requirement: when ``torch.distributed.tensor.parallel.parallelize_module``
+shards a :class:`scalestate.nn.Linear` (``ColwiseParallel``, ``RowwiseParallel``,
+or sharded activations with a replicated weight, as ``SequenceParallel``
+leaves them), every rank that holds a shard of one logical tensor (an input, a
+weight, an output gradient) casts its shard with the *same* scale, the one
+the unsharded tensor would have been cast with, and the amax it records is
+that of the whole tensor. Training then follows the unsharded model: the
+scaling state is bitwise the same, and only the order of the row-parallel
+sum (torch's own all-reduce) differs.
+
+How: :func:`scalestate.nn.linear` hands DTensor operands to :func:`linear`
+here. It checks their placements on every mesh dimension, takes the local
+shards (``DTensor.to_local``, with the gradient placements autograd must
+give back), runs the FP8 products on them, and returns a DTensor with the
+placements torch's own ``F.linear`` would give (``Shard(-1)`` column-parallel,
+``Partial()`` row-parallel, ``Shard(d)`` for sharded activations). A cast of a
+shard first max-reduces its amax over the mesh dimensions that shard it (one
+all-reduce of one element, through DTensor's ``Partial("max")``); the manager
+then decides the cast's scale from that amax exactly as for the whole tensor:
+the slot's scale once it has history (delayed scaling), else just in time
+from the global amax. It records the global amax, so TP ranks' scales agree
+whatever group the manager reduces over. Replicated tensors are cast by the
+manager directly (nothing to reduce; weight casts stay cached).
+
+Supported placements, per mesh dimension (input, weight):
+
+========================  ===================  ==================  =========================
+input                     weight               output              e.g.
+========================  ===================  ==================  =========================
+``Replicate()``           ``Shard(0)``         ``Shard(-1)``       ``ColwiseParallel``
+``Shard(-1)``             ``Shard(1)``         ``Partial()``       ``RowwiseParallel``
+``Shard(d)``, d not last  ``Replicate()``      ``Shard(d)``        ``SequenceParallel`` inputs
+``Replicate()``           ``Replicate()``      ``Replicate()``
+========================  ===================  ==================  =========================
+
+The bias is sharded like the output's last dimension, else replicated; a
+row-parallel (partial-sum) output gets it from the first rank of the partial
+dimension only, so that the reduced sum holds it once, exactly.
+``Partial`` operands are refused: the amax of a partial sum says nothing of
+the sum's, so it cannot be cast before it is reduced.
+
+Costs: a sharded cast reads its shard once more (for the amax) and issues one
+one-element all-reduce; a sharded weight is cast at every call (the manager's
+cast cache serves replicated weights only).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from scalestate.backends import Backend, CastRequest, CastSpec
+from scalestate.errors import CastError
+from scalestate.handle import ScalingHandle
+from scalestate.quantized import Quantized
+from scalestate.recipe import Role, fp8_max
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["is_distributed", "linear"]
+
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+_SUPPORTED = (
+    "supported (input, weight) placements per mesh dimension: (Replicate, Shard(0)) column-parallel "
+    "(ColwiseParallel), (Shard(-1), Shard(1)) row-parallel (RowwiseParallel), (Shard(d), Replicate) "
+    "for d not the last dimension (sharded activations, replicated weight), and (Replicate, Replicate)"
+)
+
+
+def is_distributed(*tensors: Tensor | None) -> bool:
+    """True if any of ``tensors`` is a DTensor (cheap: no DTensor can exist before its module is imported)."""
+    module = sys.modules.get(_DTENSOR_MODULE)
+    if module is None:
+        return False
+    dtensor: type = module.DTensor
+    return any(isinstance(t, dtensor) for t in tensors)
+
+
+@attrs.frozen
+class _Layout:
+    """What the placements of (input, weight, bias) imply, per mesh dimension."""
+
+    #: Placements of the output.
+    out: tuple[Placement, ...]
+    #: Placements of the gradients of the local input, weight and bias (for ``to_local``).
+    x_grad: tuple[Placement, ...]
+    w_grad: tuple[Placement, ...]
+    b_grad: tuple[Placement, ...]
+    #: Mesh dimensions over which the input, the weight and the output gradient are sharded.
+    x_dims: tuple[int, ...]
+    w_dims: tuple[int, ...]
+    g_dims: tuple[int, ...]
+    #: Mesh dimensions over which the output is a partial sum (the bias is added on their first rank only).
+    partial_dims: tuple[int, ...]
+
+
+def _layout(x: DTensor, weight: DTensor, bias: DTensor | None, name: str) -> _Layout:
+    """Check the placements of every mesh dimension; the output's and the gradients' follow."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    last = x.dim() - 1
+    mesh = weight.device_mesh
+    out: list[Placement] = []
+    x_grad: list[Placement] = []
+    w_grad: list[Placement] = []
+    b_grad: list[Placement] = []
+    x_dims: list[int] = []
+    w_dims: list[int] = []
+    g_dims: list[int] = []
+    for i, (px, pw) in enumerate(zip(x.placements, weight.placements, strict=True)):
+        where = f"slot {name!r}: mesh dimension {_dim_name(mesh, i)}"
+        for what, p in (("input", px), ("weight", pw)):
+            if isinstance(p, Partial):
+                raise CastError(
+                    f"{where}: the {what} is a partial sum ({p!r}); its shards' amaxes say nothing "
+                    "of the sum's, so it cannot be cast to FP8 before it is reduced. Redistribute "
+                    f"it to Replicate() or Shard(...) first (e.g. input_layouts in the parallel style); {_SUPPORTED}"
+                )
+        xs = px.dim if isinstance(px, Shard) else None
+        if isinstance(px, Replicate) and isinstance(pw, Replicate):
+            out.append(Replicate())
+            x_grad.append(Replicate())
+            w_grad.append(Replicate())
+            b_grad.append(Replicate())
+        elif isinstance(px, Replicate) and pw == Shard(0):  # column-parallel
+            out.append(Shard(last))
+            x_grad.append(Partial())
+            w_grad.append(pw)
+            b_grad.append(Shard(0))
+            w_dims.append(i)
+            g_dims.append(i)
+        elif xs == last and pw == Shard(1):  # row-parallel
+            out.append(Partial())
+            x_grad.append(px)
+            w_grad.append(pw)
+            b_grad.append(Replicate())
+            x_dims.append(i)
+            w_dims.append(i)
+        elif xs is not None and xs != last and isinstance(pw, Replicate):  # sharded activations
+            out.append(px)
+            x_grad.append(px)
+            w_grad.append(Partial())
+            b_grad.append(Partial())
+            x_dims.append(i)
+            g_dims.append(i)
+        else:
+            raise CastError(
+                f"{where}: unsupported placements: input {px!r}, weight {pw!r} (input of {x.dim()} "
+                f"dimensions); {_SUPPORTED}. Redistribute the input or shard the layer with one of these styles"
+            )
+    if bias is not None:
+        want = tuple(Shard(0) if p == Shard(last) else Replicate() for p in out)
+        if tuple(bias.placements) != want:
+            raise CastError(
+                f"slot {name!r}: the bias has placements {tuple(bias.placements)!r}; with this input and "
+                f"weight it must be {want!r} (sharded like the output's last dimension, else replicated)"
+            )
+    partial_dims = tuple(i for i, p in enumerate(out) if isinstance(p, Partial))
+    grads = (tuple(x_grad), tuple(w_grad), tuple(b_grad))
+    return _Layout(tuple(out), *grads, tuple(x_dims), tuple(w_dims), tuple(g_dims), partial_dims)
+
+
+def _dim_name(mesh: DeviceMesh, i: int) -> str:
+    names = mesh.mesh_dim_names
+    return f"{i} ({names[i]!r})" if names else str(i)
+
+
+def _operands(
+    x: Tensor, weight: Tensor, bias: Tensor | None, name: str
+) -> tuple[DTensor, DTensor, DTensor | None]:
+    """``(x, weight, bias)`` as DTensors, checked to be DTensors all on one mesh."""
+    from torch.distributed.tensor import DTensor
+
+    named = (("input", x), ("weight", weight), ("bias", bias))
+    plain = [what for what, t in named if t is not None and not isinstance(t, DTensor)]
+    if plain or not isinstance(x, DTensor) or not isinstance(weight, DTensor):
+        raise CastError(
+            f"slot {name!r}: the {' and '.join(plain)} is a plain tensor while the other operands are DTensors; "
+            "shard the layer with torch.distributed.tensor.parallel.parallelize_module (its styles turn "
+            "inputs into DTensors), or pass every operand as a DTensor on one mesh"
+        )
+    dbias = bias if isinstance(bias, DTensor) else None
+    meshes = [t.device_mesh for t in (x, weight, dbias) if t is not None]
+    if any(m != meshes[0] for m in meshes):
+        raise CastError(
+            f"slot {name!r}: the input, weight and bias live on different device meshes "
+            f"({', '.join(map(str, meshes))}); put them on one mesh"
+        )
+    return x, weight, dbias
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle) -> Tensor:
+    """:func:`scalestate.nn.linear` for DTensor operands: FP8 products on the local shards.
+
+    Returns a DTensor with the placements torch's ``F.linear`` gives for these
+    operands (see the module's table). Every cast of a sharded operand uses
+    the scale of the whole logical tensor and records its amax.
+
+    Raises:
+        CastError: an operand is not a DTensor while another is, they live on
+            different meshes, or their placements are not supported (the
+            message lists those that are).
+    """
+    from torch.distributed.tensor import DTensor
+
+    x, weight, dbias = _operands(x, weight, bias, handle.name)
+    if x.shape[-1] != weight.shape[1]:
+        raise CastError(
+            f"slot {handle.name!r}: input has {x.shape[-1]} features in its last dimension, "
+            f"the weight expects {weight.shape[1]}"
+        )
+    layout = _layout(x, weight, dbias, handle.name)
+    mesh = weight.device_mesh
+    x_local = x.to_local(grad_placements=layout.x_grad)
+    w_local = weight.to_local(grad_placements=layout.w_grad)
+    b_local = dbias.to_local(grad_placements=layout.b_grad) if dbias is not None else None
+    # A partial-sum output gets the bias from one rank; the bias's gradient (the sum of the
+    # replicated output gradient) is computed on every rank alike, with no reduction.
+    coordinate: Sequence[int] = mesh.get_coordinate() or ()
+    bias_here = all(coordinate[i] == 0 for i in layout.partial_dims)
+
+    device_type = x_local.device.type
+    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    caster = _ShardCaster(handle, mesh)
+    transpose = caster.backend.wants_transposed(x_local.device)
+    x2 = x_local if x_local.dim() == 2 else x_local.reshape(-1, x_local.shape[-1])
+    qx = caster.cast(x2, Role.INPUT, layout.x_dims, transpose)
+    qw = caster.cast(w_local, Role.WEIGHT, layout.w_dims, transpose)
+    # torch types Function.apply as untyped; its result here is the forward's Tensor
+    out2: Tensor = _ShardedFP8Linear.apply(  # type: ignore[no-untyped-call]
+        x2, w_local, b_local, bias_here, qx, qw, caster, layout.g_dims, out_dtype
+    )
+    out_local = out2 if x_local.dim() == 2 else out2.reshape(*x_local.shape[:-1], w_local.shape[0])
+    shape = torch.Size((*x.shape[:-1], weight.shape[0]))
+    out: Tensor = DTensor.from_local(
+        out_local, mesh, layout.out, run_check=False, shape=shape, stride=_contiguous_stride(shape)
+    )
+    return out
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+class _ShardCaster:
+    """Casts local shards of one layer with the scale of their whole logical tensor."""
+
+    def __init__(self, handle: ScalingHandle, mesh: DeviceMesh) -> None:
+        self.handle = handle
+        self.mesh = mesh
+        self.backend: Backend = handle.manager.backend
+
+    def cast(self, x: Tensor, role: Role, dims: Sequence[int], transpose: bool) -> Quantized:
+        """Cast the local shard ``x``, sharded over mesh dimensions ``dims``, for ``role``.
+
+        Unsharded: the manager casts it itself. Sharded: the global amax is
+        reduced, the manager casts a one-element stand-in holding it (which
+        classifies the cast, records the amax, and yields the scale of the
+        whole tensor: the slot's, or one just in time from that amax), and the
+        backend casts the shard with that scale.
+        """
+        if not dims:
+            return self.handle.quantize(x, role, transpose=transpose)
+        amax = _global_amax(x, self.mesh, dims)
+        scale = self.handle.quantize(amax, role).scale
+        recipe = self.handle.manager.recipe
+        dtype = recipe.format.dtype(role)
+        spec = CastSpec(dtype, fp8_max(dtype), recipe.rule)
+        request = CastRequest(x.detach(), spec, scale, False, None, transpose)
+        return self.backend.cast(request)
+
+
+def _global_amax(x: Tensor, mesh: DeviceMesh, dims: Sequence[int]) -> Tensor:
+    """``[amax(|x|)]`` of the whole tensor whose shards over mesh dimensions ``dims`` the ranks hold.
+
+    One all-reduce (MAX) of two floats per mesh dimension, through DTensor's
+    ``Partial("max")``. NaN survives it: an all-reduce MAX may drop a NaN
+    (gloo's does, unless it is on the first rank), so NaN travels as +inf
+    beside a flag and is restored, as the amax of the whole tensor would be NaN.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    with torch.no_grad():
+        if x.numel():
+            local = torch.linalg.vector_norm(x.detach(), float("inf")).float()
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=x.device)
+        nan = torch.isnan(local)
+        packed = torch.stack([torch.where(nan, float("inf"), local), nan.float()])
+        placements = [Partial("max") if i in dims else Replicate() for i in range(mesh.ndim)]
+        reduced = DTensor.from_local(packed, mesh, placements, run_check=False).full_tensor()
+        return torch.where(reduced[1] > 0, float("nan"), reduced[0]).reshape(1)
+
+
+class _ShardedFP8Linear(torch.autograd.Function):
+    """``y = x @ w.T + b`` on local shards with x and w already cast; backward casts the
+    local ``dy`` with the scale of the whole output gradient and runs both products in FP8."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        bias_here: bool,
+        qx: Quantized,
+        qw: Quantized,
+        caster: _ShardCaster,
+        g_dims: tuple[int, ...],
+        out_dtype: torch.dtype,
+    ) -> Tensor:
+        from scalestate.nn.linear import _product  # here: scalestate.nn.linear imports this module
+
+        out = _product(caster.backend, qx, qw.t(), out_dtype, bias if bias_here else None)
+        x_data = qx.data if qx.transposed is None else qx.transposed
+        ctx.save_for_backward(x_data, qx.scale, qx.scale_inv, qw.data, qw.scale, qw.scale_inv, qw.transposed)
+        ctx.x_is_transposed = qx.transposed is not None
+        ctx.caster = caster
+        ctx.g_dims = g_dims
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        from scalestate.nn.linear import _product
+
+        x_data, x_scale, x_scale_inv, w_data, w_scale, w_scale_inv, w_transposed = ctx.saved_tensors
+        caster: _ShardCaster = ctx.caster
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        if need_x or need_w:
+            qg = caster.cast(grad_out, Role.GRAD_OUTPUT, ctx.g_dims, ctx.x_is_transposed)
+            if need_x:
+                qw = Quantized(w_data, scale=w_scale, scale_inv=w_scale_inv, transposed=w_transposed)
+                grad_x = _product(caster.backend, qg, qw, x_dtype)
+            if need_w:
+                qx = Quantized(x_data, scale=x_scale, scale_inv=x_scale_inv)
+                grad_w = _product(caster.backend, qg.t(), qx.t() if ctx.x_is_transposed else qx, w_dtype)
+        if need_b:
+            grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
