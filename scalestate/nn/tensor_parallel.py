@@ -17,7 +17,7 @@ give back), runs the FP8 products on them, and returns a DTensor with the
 placements torch's own ``F.linear`` would give (``Shard(-1)`` column-parallel,
 ``Partial()`` row-parallel, ``Shard(d)`` for sharded activations). A cast of a
 shard first max-reduces its amax over the mesh dimensions that shard it (one
-all-reduce of one element, through DTensor's ``Partial("max")``); the manager
+all-reduce MAX of two floats, through DTensor's ``Partial("max")``); the manager
 then decides the cast's scale from that amax exactly as for the whole tensor:
 the slot's scale once it has history (delayed scaling), else just in time
 from the global amax. It records the global amax, so TP ranks' scales agree
@@ -42,8 +42,8 @@ dimension only, so that the reduced sum holds it once, exactly.
 the sum's, so it cannot be cast before it is reduced.
 
 Costs: a sharded cast reads its shard once more (for the amax) and issues one
-one-element all-reduce; a sharded weight is cast at every call (the manager's
-cast cache serves replicated weights only).
+two-float all-reduce per sharding mesh dimension; a sharded weight is cast at
+every call (the manager's cast cache serves replicated weights only).
 """
 
 from __future__ import annotations
