@@ -23,7 +23,9 @@ def _parser() -> argparse.ArgumentParser:
             "library, three times from the same seed: in fp32; in FP8 with activation "
             "checkpointing on every block; in FP8 without it. Each step has several "
             "microbatches. Report the FP8 loss against fp32, and whether parameters and "
-            "scaling state of the two FP8 runs are bitwise equal. Exit status 1 if not."
+            "scaling state of the two FP8 runs are bitwise equal. With --ranks N (or under "
+            "torchrun) every run is data parallel on N processes, and the report also says "
+            "whether every rank holds the same scaling state. Exit status 1 if anything differs."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -47,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--history-len", type=int, default=16, help="amax history of delayed scaling")
     demo.add_argument(
         "--no-fp32", action="store_true", help="skip the fp32 reference run (faster)"
+    )
+    demo.add_argument(
+        "--ranks", type=int, default=1,
+        help="data-parallel processes (DistributedDataParallel on gloo, CPU); under torchrun, its world size",
     )
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser

@@ -210,5 +210,7 @@ def _check_agreement(gathered: list[Any], ranks: list[int], me: int, group: Proc
         f"rank {me}: the ranks of {describe_group(group)} registered different slots, so their "
         f"scales cannot be reduced together: {'; '.join(parts)}{more}. Register the same modules on "
         "every rank before the first step(), or register slots that exist on some ranks only with "
-        "manager.register(name, roles, reduce=False) (rank-local, not reduced)"
+        "manager.register(name, roles, reduce=False) (rank-local, not reduced). Where ranks hold "
+        "different parts of the model (pipeline stages), build each part's manager with the group "
+        "of the ranks that replicate it (its data-parallel group), or with group=None"
     )

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from scalestate.backends import Backend, CastRequest, CastSpec
-from scalestate.binding import BackendBinding, canonical_device, settle_during_trace
+from scalestate.backends import Backend, CastSpec
+from scalestate.binding import BackendBinding, canonical_device
+from scalestate.casting import Caster
 from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
-from scalestate.errors import CastError, PhaseError, ScaleStateError, SlotError
+from scalestate.errors import PhaseError, ScaleStateError, SlotError
 from scalestate.handle import ScalingHandle
 from scalestate.persist import recipe_to_dict, to_state_dict, validate
-from scalestate.phase import CastKind, Phase, classify, in_training_function_forward, read_signals
+from scalestate.phase import Phase
 from scalestate.quantized import Quantized
 from scalestate.recipe import CurrentScaling, DelayedScaling, Direction, Recipe, Role, fp8_max
 from scalestate.state import Slot, State
@@ -100,6 +101,7 @@ class ScalingStateManager:
         self._state = State(dev or torch.device("cpu"), recipe.history_len, debug=bool(debug))
         self._binding = BackendBinding(backend, self._state)
         self._handles: dict[str, ScalingHandle] = {}
+        self._caster = Caster(self._state, self._binding, delayed=self._delayed)
         self._reduction = Reduction(group)
         self._recipe_dict = recipe_to_dict(recipe)
         if dev is not None:
@@ -298,100 +300,8 @@ class ScalingStateManager:
 
     # ----------------------------------------------------------------- casts
     def _cast(self, slot: Slot, x: Tensor, transpose: bool) -> Quantized:
-        """A handle's cast: classify it, then cast through the backend (see ScalingHandle.quantize)."""
-        if not isinstance(x, Tensor) or not x.is_floating_point():
-            raise CastError(
-                f"slot {slot.name!r} {slot.role.name}: expected a floating-point tensor; "
-                f"got {x.dtype if isinstance(x, Tensor) else type(x).__name__}"
-            )
-        if transpose and x.dim() != 2:
-            raise CastError(
-                f"slot {slot.name!r} {slot.role.name}: transpose=True needs a 2-d tensor; got shape {tuple(x.shape)}"
-            )
-        st = self._state
-        compiling = torch.compiler.is_compiling()
-        if compiling:
-            settle_during_trace(self._binding, x.device)
-        elif not self._binding.ready or x.device != st.device:
-            self._binding.settle(x.device)
-        kind = self._classify(slot, compiling) if slot.forward else CastKind.RECORD
-        if slot.role is Role.WEIGHT and not compiling:
-            return self._cast_weight(slot, x, kind, transpose)
-        if st.checker is not None and not compiling and kind is not CastKind.EVALUATION:
-            q, amax = self._cast_keeping_amax(slot, x, transpose)
-            self._record(slot, kind, amax)
-            return q
-        # Eager casts reuse views made once; compiled code derives them from the buffers itself.
-        scale, acc = (st.scale_of(slot), st.accumulator_of(slot)) if compiling else st.views_of(slot)
-        record = acc if kind is CastKind.RECORD else None
-        jit = st.jit(slot, delayed=self._delayed, compiling=compiling)
-        request = CastRequest(x.detach() if x.requires_grad else x, slot.spec, scale, jit, record, transpose)
-        q = self._binding.backend.cast(request)
-        if record is not None and not compiling:
-            st.note_recorded(slot)
-        return q
-
-    def _classify(self, slot: Slot, compiling: bool) -> CastKind:
-        signals = read_signals(self._state.phases.phase, compiling=compiling)
-        kind = classify(Direction.FORWARD, signals, None if compiling else in_training_function_forward)
-        if kind is CastKind.MISPLACED:
-            raise PhaseError(
-                f"{slot.role.name} cast of slot {slot.name!r} in the BACKWARD phase, outside autograd's "
-                "backward: call begin_forward() before a new forward pass, begin_recompute() "
-                "before recomputing one, or run an evaluation pass under torch.no_grad()"
-            )
-        return kind
-
-    def _cast_keeping_amax(self, slot: Slot, x: Tensor, transpose: bool) -> tuple[Quantized, Tensor]:
-        """An eager cast that records its amax into a fresh 0-d tensor (for the cache and debug mode)."""
-        amax = torch.zeros((), dtype=torch.float32, device=self._state.device)
-        return self._eager_cast(slot, x, transpose, amax), amax
-
-    def _eager_cast(self, slot: Slot, x: Tensor, transpose: bool, record: Tensor | None) -> Quantized:
-        st = self._state
-        jit = st.jit(slot, delayed=self._delayed, compiling=False)
-        request = CastRequest(x.detach(), slot.spec, st.views_of(slot)[0], jit, record, transpose)
-        return self._binding.backend.cast(request)
-
-    def _cast_weight(self, slot: Slot, x: Tensor, kind: CastKind, transpose: bool) -> Quantized:
-        """Weights are cast once per (tensor version, scale epoch); every training use records.
-
-        A training cast writes its amax straight into the slot's accumulator in
-        the backend's pass; later uses in the epoch have nothing to add. A cast
-        made in recompute or evaluation (or in debug mode, which compares every
-        amax) keeps its amax aside for the training uses that hit it.
-        """
-        st = self._state
-        entry = st.casts.get(slot, x, st.epoch)
-        usable = entry is not None and (not transpose or entry.quantized.transposed is not None)
-        if entry is not None and usable and (entry.amax is not None or st.checker is None):
-            if entry.amax is not None:
-                self._record(slot, kind, entry.amax)
-            elif kind is CastKind.RECORD:
-                st.note_recorded(slot)
-            return entry.quantized
-        if kind is CastKind.RECORD and st.checker is None:
-            q = self._eager_cast(slot, x, transpose, st.views_of(slot)[1])
-            st.casts.put(slot, x, st.epoch, q, None)
-            st.note_recorded(slot)
-            return q
-        q, amax = self._cast_keeping_amax(slot, x, transpose)
-        st.casts.put(slot, x, st.epoch, q, amax)
-        self._record(slot, kind, amax)
-        return q
-
-    def _record(self, slot: Slot, kind: CastKind, amax: Tensor) -> None:
-        """Account for a cast whose amax is known: max it in if recorded; feed debug mode."""
-        st = self._state
-        if kind is CastKind.RECORD:
-            acc = st.views_of(slot)[1]
-            torch.maximum(acc, amax, out=acc)
-            st.note_recorded(slot)
-        if st.checker is not None and slot.forward:
-            if kind is CastKind.RECORD:
-                st.checker.forward(slot, float(amax))
-            elif kind is CastKind.RECOMPUTE:
-                st.checker.recompute(slot, float(amax), st.iteration)
+        """A handle's cast (see ScalingHandle.quantize and :mod:`scalestate.casting`)."""
+        return self._caster.cast(slot, x, transpose)
 
     def _scale_of(self, slot: Slot) -> Tensor:
         return self._state.scale_of(slot).clone()

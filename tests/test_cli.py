@@ -30,6 +30,27 @@ class TestDemo:
             assert line in out
         assert out.count("EQUAL") == 4 and "DIFFERENT" not in out and "OK:" in out
 
+    def test_data_parallel_ranks_report_identical_state(self, capfd):
+        """--ranks 2: DDP on gloo; the report says every rank holds the same state."""
+        assert main(["demo", *TINY, "--ranks", "2", "--no-fp32"]) == 0
+        out = capfd.readouterr().out
+        assert "ranks:   2 (DistributedDataParallel, gloo)" in out
+        assert out.count("IDENTICAL on every rank") == 4 and "DIFFERENT" not in out
+        assert out.count("EQUAL") == 4 and "same scaling state" in out
+
+    def test_under_torchrun(self):
+        """The README's torchrun command: the ranks come from the environment."""
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "-m", "scalestate", "demo", *TINY, "--no-fp32"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.count("IDENTICAL on every rank") == 4 and out.stdout.count("scalestate demo:") == 1
+
+    def test_bad_ranks(self):
+        with pytest.raises(SystemExit, match="--ranks must be >= 1"):
+            main(["demo", *TINY, "--ranks", "0"])
+
     def test_bad_backend(self, capsys):
         """An unknown backend is a clean error listing the registered ones, exit 2."""
         assert main(["demo", *TINY, "--backend", "nope"]) == 2

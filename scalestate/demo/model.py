@@ -78,7 +78,11 @@ class TinyLM(nn.Module):
         logits: Tensor = self.head(self.ln(x))
         return logits
 
-    def loss(self, batch: Tensor) -> Tensor:
-        """Mean next-token cross-entropy of ``batch`` (``[B, seq_len + 1]`` token ids)."""
-        logits = self(batch[:, :-1])
+    def loss(self, batch: Tensor, forward: nn.Module | None = None) -> Tensor:
+        """Mean next-token cross-entropy of ``batch`` (``[B, seq_len + 1]`` token ids).
+
+        ``forward``: what computes the logits, if not the model itself (its
+        ``DistributedDataParallel`` wrapper, say).
+        """
+        logits = (self if forward is None else forward)(batch[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))

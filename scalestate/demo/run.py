@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import scalestate as ss
 from scalestate.demo.data import MODULES, corpus
-from scalestate.demo.train import DemoConfig, RunResult, train
+from scalestate.demo.train import DemoConfig, RunResult, data_parallel, train
 from scalestate.errors import ScaleStateError
 
 __all__ = ["compare", "run_demo"]
@@ -49,7 +52,11 @@ def compare(a: RunResult, b: RunResult) -> dict[str, bool]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Run the demo; 0 if the checkpointed and plain FP8 runs match bitwise, else 1."""
+    """Run the demo; 0 if the checkpointed and plain FP8 runs match bitwise (and, data
+    parallel, every rank holds the same state), else 1.
+
+    ``args.ranks > 1`` starts that many processes (gloo, CPU) unless this process
+    is already one of a group (``torchrun`` sets ``WORLD_SIZE``)."""
     cfg = _config(args)
     try:
         recipe = cfg.make_recipe()
@@ -57,19 +64,43 @@ def run_demo(args: argparse.Namespace) -> int:
     except ScaleStateError as exc:
         print(f"scalestate demo: {exc}", file=sys.stderr)
         return 2
+    if args.ranks < 1:
+        raise SystemExit(f"scalestate demo: --ranks must be >= 1; got {args.ranks}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from scalestate.demo.ranks import join_group
+
+        with join_group():
+            return _run(args, cfg, recipe)
+    if args.ranks > 1:
+        from scalestate.demo.ranks import launch
+
+        return launch(args.ranks, _run_rank, args)
+    return _run(args, cfg, recipe)
+
+
+def _run_rank(args: argparse.Namespace) -> int:
+    """One rank of ``--ranks N`` (its process group already made)."""
+    cfg = _config(args)
+    return _run(args, cfg, cfg.make_recipe())
+
+
+def _run(args: argparse.Namespace, cfg: DemoConfig, recipe: ss.Recipe) -> int:
+    rank, world = data_parallel()
+    say: Callable[..., Any] = print if rank == 0 else _silent
     n_params = sum(p.numel() for p in _probe_model(cfg).parameters())
     text = corpus()
     chars = len(text)
-    print(
+    say(
         f"scalestate demo: {cfg.n_layers}-block decoder LM ({n_params / 1e6:.2f}M params), "
         f"{cfg.steps} steps of {cfg.microbatches} microbatches x {cfg.microbatch_size} "
         f"sequences x {cfg.seq_len} bytes\n"
         f"  data:    docstrings of {len(MODULES)} standard-library modules ({chars:,} chars), 95/5 split\n"
         f"  FP8:     {recipe!r}, backend {cfg.backend!r}\n"
+        f"{_ranks_line(world)}"
         f"  torch {torch.__version__}, {torch.get_num_threads()} threads\n",
         flush=True,
     )
-    quiet = args.quiet
+    quiet = args.quiet or rank != 0
     runs: list[RunResult] = []
     if not args.no_fp32:
         runs.append(train(cfg, fp8=False, checkpoint=False, label="fp32", text=text, show_progress=not quiet))
@@ -79,24 +110,45 @@ def run_demo(args: argparse.Namespace) -> int:
 
     marks = sorted({max(1, cfg.steps * k // 4) for k in (1, 2, 3, 4)})
     header = "".join(f"{'step ' + str(s):>11}" for s in marks)
-    print("  training loss (mean of the 10 steps up to each mark) and held-out loss:")
-    print(f"  {'run':<24}{header}{'held-out':>11}{'time':>9}")
+    say("  training loss (mean of the 10 steps up to each mark) and held-out loss:")
+    say(f"  {'run':<24}{header}{'held-out':>11}{'time':>9}")
     for r in runs:
         losses = "".join(f"{_window(r.losses, s):>11.4f}" for s in marks)
-        print(f"  {r.label:<24}{losses}{r.val_loss:>11.4f}{r.seconds:>8.1f}s")
+        say(f"  {r.label:<24}{losses}{r.val_loss:>11.4f}{r.seconds:>8.1f}s")
     if not args.no_fp32:
         ref = runs[0]
         delta = ckpt.val_loss - ref.val_loss
-        print(f"\n  FP8 vs fp32 held-out loss: {delta:+.4f} ({100 * delta / ref.val_loss:+.2f}%)")
+        say(f"\n  FP8 vs fp32 held-out loss: {delta:+.4f} ({100 * delta / ref.val_loss:+.2f}%)")
     checks = compare(ckpt, plain)
-    print("\n  checkpointed vs plain FP8, bitwise (torch.equal):")
+    say("\n  checkpointed vs plain FP8, bitwise (torch.equal):")
     for what, ok in checks.items():
-        print(f"    {what:<18} {'EQUAL' if ok else 'DIFFERENT'}")
-    if all(checks.values()):
-        print("\nOK: activation checkpointing changed nothing, bit for bit.")
+        say(f"    {what:<18} {'EQUAL' if ok else 'DIFFERENT'}")
+    same_everywhere = True
+    if world > 1:
+        say(f"\n  every rank against rank 0 after the last step, bitwise (torch.equal), {world} ranks:")
+        for r in runs:
+            for what, ok in (r.across_ranks or {}).items():
+                same_everywhere &= ok
+                say(f"    {r.label:<24}{what:<16} {'IDENTICAL' if ok else 'DIFFERENT'} on every rank")
+    if all(checks.values()) and same_everywhere:
+        extra = f"; every one of the {world} ranks holds the same scaling state" if world > 1 else ""
+        say(f"\nOK: activation checkpointing changed nothing, bit for bit{extra}.")
         return 0
-    print("\nFAIL: the checkpointed run diverged from the plain run.")
+    if not all(checks.values()):
+        say("\nFAIL: the checkpointed run diverged from the plain run.")
+    if not same_everywhere:
+        say("\nFAIL: the ranks ended with different state.")
     return 1
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+def _ranks_line(world: int) -> str:
+    if world == 1:
+        return ""
+    return f"  ranks:   {world} (DistributedDataParallel, gloo); losses shown are rank 0's\n"
 
 
 def _window(losses: list[float], upto: int) -> float:

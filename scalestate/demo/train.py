@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 import scalestate as ss
@@ -63,6 +64,16 @@ class RunResult:
     params: dict[str, Tensor]
     #: ``ScalingStateManager.state_dict()`` after the last step (FP8 runs).
     scaling: dict[str, Any] | None
+    #: Data-parallel runs: whether every rank ended with bitwise the same
+    #: ``"scaling state"`` and ``"parameters"`` as rank 0 (``None``: one process).
+    across_ranks: dict[str, bool] | None = None
+
+
+def data_parallel() -> tuple[int, int]:
+    """``(rank, world size)`` of the default process group, ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def train(
@@ -75,7 +86,15 @@ def train(
     show_progress: bool = True,
 ) -> RunResult:
     """Train one model from scratch on ``text`` (default: :func:`corpus`), 95/5 split,
-    and evaluate it on the held-out part."""
+    and evaluate it on the held-out part.
+
+    Where the default process group has several ranks, the model is wrapped in
+    ``DistributedDataParallel`` (gradients synchronised on the last microbatch
+    of each step only), every rank draws its own batches, the manager reduces
+    its amaxes over the group, and the result says whether every rank ended
+    with the same scaling state and parameters. Losses are rank 0's.
+    """
+    rank, world = data_parallel()
     tokens = encode(corpus() if text is None else text)
     cut = int(tokens.numel() * 0.95)
     train_tokens, val_tokens = tokens[:cut], tokens[cut:]
@@ -88,23 +107,32 @@ def train(
     if fp8:
         manager = ss.ScalingStateManager(cfg.make_recipe(), backend=cfg.backend, device="cpu")
         ss.nn.convert(model, manager)
+    net: torch.nn.Module = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     warmup = max(1, cfg.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
     data = batches(
         train_tokens, steps=cfg.steps, batch=cfg.microbatches * cfg.microbatch_size,
-        seq_len=cfg.seq_len, seed=cfg.seed + 1,
+        seq_len=cfg.seq_len, seed=cfg.seed + 1 + 1000 * rank,
     )
-    progress = Progress(label, cfg.steps) if show_progress else None
+    progress = Progress(label, cfg.steps) if show_progress and rank == 0 else None
     losses: list[float] = []
     start = time.perf_counter()
     for step_batch in data:
         total = 0.0
-        for mb in step_batch.chunk(cfg.microbatches):
-            with manager.forward() if manager else contextlib.nullcontext():
-                loss = model.loss(mb) / cfg.microbatches
-            with manager.backward() if manager else contextlib.nullcontext():
-                torch.autograd.backward(loss)
+        chunks = step_batch.chunk(cfg.microbatches)
+        for i, mb in enumerate(chunks):
+            no_sync = getattr(net, "no_sync", None)
+            accumulate = no_sync() if no_sync is not None and i < len(chunks) - 1 else contextlib.nullcontext()
+            with accumulate:
+                with manager.forward() if manager else contextlib.nullcontext():
+                    loss = model.loss(mb, forward=net) / cfg.microbatches
+                with manager.backward() if manager else contextlib.nullcontext():
+                    torch.autograd.backward(loss)
             total += loss.item()
         opt.step()
         sched.step()
@@ -116,14 +144,38 @@ def train(
             progress.update(total)
     seconds = time.perf_counter() - start
     val_loss = _evaluate(model, cfg, val_tokens)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    scaling = manager.state_dict() if manager else None
     return RunResult(
         label=label,
         losses=losses,
         val_loss=val_loss,
         seconds=seconds,
-        params={k: v.detach().clone() for k, v in model.named_parameters()},
-        scaling=manager.state_dict() if manager else None,
+        params=params,
+        scaling=scaling,
+        across_ranks=_agreement(params, scaling) if world > 1 else None,
     )
+
+
+def _agreement(params: dict[str, Tensor], scaling: dict[str, Any] | None) -> dict[str, bool]:
+    """Whether every rank holds bitwise rank 0's scaling state and parameters (same answer on every rank)."""
+    mine = {"params": params, "scaling": scaling}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    same_params = all(
+        r["params"].keys() == first["params"].keys()
+        and all(torch.equal(r["params"][k], first["params"][k]) for k in first["params"])
+        for r in everyone
+    )
+    out = {"parameters": same_params}
+    if scaling is not None:
+        out["scaling state"] = all(
+            r["scaling"]["slots"] == first["scaling"]["slots"]
+            and all(torch.equal(r["scaling"][k], first["scaling"][k]) for k in ("amax_history", "scale"))
+            for r in everyone
+        )
+    return out
 
 
 @torch.no_grad()
