@@ -5,8 +5,9 @@ of the same slots (data parallel, FSDP, the ranks of one tensor-parallel
 tensor). At every :meth:`~scalestate.ScalingStateManager.step`, before the
 scales are derived, the step amaxes of every reduced slot are max-reduced
 across the group by exactly one ``all_reduce(MAX)`` over one flat float32
-tensor; every rank then derives bitwise identical histories and scales from
-identical inputs.
+tensor (with a NaN flag per slot: a MAX reduction may drop a NaN, which the
+non-finite policy must see on every rank); every rank then derives bitwise
+identical histories and scales from identical inputs.
 
 Rows are paired by slot name and role, not by registration order: ranks may
 register in different orders (lazy modules do). The first step after the
@@ -156,9 +157,18 @@ class Reduction:
         flat = step_amax if rows is None else step_amax.index_select(0, rows)
         if flat.numel() == 0:
             return
-        self._collective(lambda: dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group), state, group)
+        # An all-reduce MAX may drop a NaN (gloo keeps one only where the first rank holds it):
+        # a NaN travels as +inf beside a flag, in the same collective, and is restored after it,
+        # so that the non-finite policy sees it on every rank alike.
+        nan = torch.isnan(flat)
+        packed = torch.cat([torch.where(nan, float("inf"), flat), nan.to(flat.dtype)])
+        self._collective(lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group), state, group)
+        n = flat.numel()
+        reduced = torch.where(packed[n:] > 0, float("nan"), packed[:n])
         if rows is not None:
-            step_amax.index_copy_(0, rows, flat)
+            step_amax.index_copy_(0, rows, reduced)
+        else:
+            step_amax.copy_(reduced)
 
     def _agree(self, state: State, recipe: dict[str, Any], group: ProcessGroup) -> None:
         reduced = [s for s in state.slots if s.reduce]

@@ -108,7 +108,19 @@ def _reduction_worker(rank: int, world: int) -> dict[str, Any]:
         md.step()
         out["dp_history"] = h.amax_history(I)
 
-    # 3. group=None: nothing reduced, no collective.
+    # 3. A NaN seen on one rank only reaches every rank (a MAX reduction alone may drop it).
+    for nan_rank in range(2):
+        mnan = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+        h = mnan.register("fc", roles=(I,))
+        for step in range(2):
+            with mnan.forward():
+                bad = step == 1 and rank == nan_rank
+                h.quantize(torch.full((4,), float("nan") if bad else 2.0 + step), I)
+            mnan.step()
+        out[f"nan_history_{nan_rank}"] = h.amax_history(I)
+        out[f"nan_scale_{nan_rank}"] = h.scale(I)
+
+    # 4. group=None: nothing reduced, no collective.
     mn = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", group=None)
     h = mn.register("fc", roles=(I,))
     with mn.forward():
@@ -141,6 +153,10 @@ def test_one_all_reduce_per_step_and_identical_state(world):
                 assert torch.equal(r["after"][key]["history"][-1], expected), (key, rank)
         for rank, r in enumerate(per_rank):  # rank-local slots keep their own amax
             assert r["after"][(f"expert{rank}", "input")]["history"][-1].item() == rank + 1 + step
+    for nan_rank in range(2):  # the NaN step is skipped on every rank: history not rolled, scale kept
+        for r in results:
+            assert r[f"nan_history_{nan_rank}"].tolist() == [0.0, 0.0, 0.0, 2.0]
+            assert torch.equal(r[f"nan_scale_{nan_rank}"], results[0][f"nan_scale_{nan_rank}"])
     scales = [r["local_scale"] for r in results]
     assert len({s.item() for s in scales}) == world  # one per rank: not reduced
     for r in results:
