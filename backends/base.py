@@ -71,8 +71,9 @@ class CastRequest(NamedTuple):
 class StepUpdate(NamedTuple):
     """The end-of-step update of every slot, applied in place.
 
-    Exactly :func:`scalestate.math.update_scales`: roll ``history`` with
-    ``step_amax``, derive new ``scales``; then zero ``step_amax``. The tensors
+    Exactly :func:`scalestate.math.update_scales` (count non-finite amaxes,
+    forget their histories under the fallback policy, roll ``history`` with
+    ``step_amax``, derive new ``scales``); then zero ``step_amax``. The tensors
     are the state's own buffers: write them in place (their storage must not
     change), in a fixed number of operations whatever ``N`` is, with no host sync.
     """
@@ -87,6 +88,12 @@ class StepUpdate(NamedTuple):
     fp8_max: Tensor
     #: How scales follow from the history.
     rule: ScaleRule
+    #: ``[N]`` int64 counters: add 1, in place, where ``step_amax`` is NaN or
+    #: infinite (``None``: nothing to count).
+    nonfinite_counts: Tensor | None = None
+    #: Where ``step_amax`` is NaN or infinite, zero the history before rolling
+    #: (the ``"fallback"`` policy); otherwise such a slot keeps its history and scale.
+    forget_nonfinite: bool = False
 
 
 @runtime_checkable

@@ -102,5 +102,8 @@ class EmulationBackend:
 
     def update(self, update: StepUpdate) -> None:
         """:func:`scalestate.math.update_scales` in place, then clear the accumulators."""
-        update_scales(update.history, update.scales, update.step_amax, update.fp8_max, update.rule, in_place=True)
+        update_scales(
+            update.history, update.scales, update.step_amax, update.fp8_max, update.rule, in_place=True,
+            nonfinite_counts=update.nonfinite_counts, forget_nonfinite=update.forget_nonfinite,
+        )
         update.step_amax.zero_()

@@ -138,15 +138,17 @@ class Reduction:
         """The group reduced over now (``None``: no reduction)."""
         return resolve_group(self._spec)
 
-    def reduce(self, state: State, recipe: dict[str, Any]) -> None:
-        """Max-reduce every reduced slot's step amax across the group, in place (one collective).
+    def reduce(self, state: State, recipe: dict[str, Any]) -> Tensor | None:
+        """Every slot's step amax, max-reduced across the group by one collective (rank-local
+        slots keep their own): a new ``[N]`` tensor, or ``None`` where there is nothing to
+        reduce (no group, one rank). The state itself is not changed.
 
         The first call after the slot set changed first agrees on the slots
         (and the recipe) with every rank of the group.
         """
         group = self.group()
         if group is None or dist.get_world_size(group) == 1:
-            return
+            return None
         if self._agreed != (group, len(state)):
             self._agree(state, recipe, group)
             self._agreed = (group, len(state))
@@ -156,7 +158,7 @@ class Reduction:
             rows = self._rows = rows.to(step_amax.device)
         flat = step_amax if rows is None else step_amax.index_select(0, rows)
         if flat.numel() == 0:
-            return
+            return None
         # An all-reduce MAX may drop a NaN (gloo keeps one only where the first rank holds it):
         # a NaN travels as +inf beside a flag, in the same collective, and is restored after it,
         # so that the non-finite policy sees it on every rank alike.
@@ -165,10 +167,7 @@ class Reduction:
         self._collective(lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group), state, group)
         n = flat.numel()
         reduced = torch.where(packed[n:] > 0, float("nan"), packed[:n])
-        if rows is not None:
-            step_amax.index_copy_(0, rows, reduced)
-        else:
-            step_amax.copy_(reduced)
+        return reduced if rows is None else step_amax.index_copy(0, rows, reduced)
 
     def _agree(self, state: State, recipe: dict[str, Any], group: ProcessGroup) -> None:
         reduced = [s for s in state.slots if s.reduce]

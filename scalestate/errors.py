@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "BackendUnavailableError",
     "CastError",
+    "NonFiniteAmaxError",
     "PhaseError",
     "RecipeError",
     "RecomputeMismatchError",
@@ -65,3 +66,7 @@ class SlotMismatchError(SlotError):
 
 class ReductionError(ScaleStateError, RuntimeError):
     """The step's cross-rank reduction failed: a rank died, raised, or never called ``step()``."""
+
+
+class NonFiniteAmaxError(ScaleStateError, FloatingPointError):
+    """``on_nonfinite="raise"``: a step amax was NaN or infinite; the step changed nothing."""

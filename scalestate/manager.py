@@ -16,6 +16,7 @@ from scalestate.casting import Caster
 from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
 from scalestate.errors import PhaseError, ScaleStateError, SlotError
 from scalestate.handle import ScalingHandle
+from scalestate.nonfinite import NONFINITE_POLICIES, NonFinitePolicy, refuse_nonfinite
 from scalestate.persist import recipe_to_dict, to_state_dict, validate
 from scalestate.phase import Phase
 from scalestate.quantized import Quantized
@@ -53,6 +54,14 @@ class ScalingStateManager:
             pair. By default the default process group when
             ``torch.distributed`` is initialized at the step, none otherwise;
             ``None`` turns reduction off. See :mod:`scalestate.distributed`.
+        on_nonfinite: what :meth:`step` does with a slot whose step amax is NaN
+            or infinite. ``"skip"``: the slot keeps its history and scale for
+            that step. ``"raise"``: :meth:`step` raises
+            :class:`~scalestate.errors.NonFiniteAmaxError` and changes nothing
+            (it reads one flag back to the host every step: a device sync).
+            ``"fallback"``: the slot forgets its history and scales just in
+            time until a finite step gives it history again. ``"skip"`` and
+            ``"fallback"`` count such steps (:meth:`nonfinite_counts`).
 
     .. warning:: ``debug=True`` reads amaxes back to the host on every
        recorded forward cast and every recomputed one, a device sync each.
@@ -85,11 +94,19 @@ class ScalingStateManager:
         device: torch.device | str | None = None,
         debug: bool = False,
         group: GroupSpec = DEFAULT_GROUP,
+        on_nonfinite: NonFinitePolicy = "skip",
     ) -> None:
         if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
             raise ScaleStateError(
                 f"recipe must be ss.DelayedScaling(...) or ss.CurrentScaling(...); got {recipe!r}"
             )
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ScaleStateError(
+                f"on_nonfinite must be one of {', '.join(map(repr, NONFINITE_POLICIES))}; got {on_nonfinite!r}"
+            )
+        self._on_nonfinite: NonFinitePolicy = on_nonfinite
+        #: The last step() raised: the step may be discarded or a state loaded mid-step.
+        self._refused = False
         dev = canonical_device(device) if device is not None else None
         self._recipe: Recipe = recipe
         self._rule = recipe.rule
@@ -267,10 +284,16 @@ class ScalingStateManager:
         for all slots; no host-device sync. Resets the calling thread's phase
         to ``IDLE``.
 
+        A step that raises changes nothing: the manager stays usable. Run the
+        step again, drop it with :meth:`discard_step`, or load a good state
+        with :meth:`load_state_dict`.
+
         Raises:
             PhaseError: called inside a phase block, or a slot's backward was
                 recorded while none of its forward casts were (they counted as
                 evaluation), which would leave its forward scales unfed.
+            NonFiniteAmaxError: ``on_nonfinite="raise"`` and a slot's step amax
+                is NaN or infinite.
             SlotMismatchError: (on every rank) the ranks of the group
                 registered different slots or use different recipes.
             ReductionError: the reduction failed: another rank died, raised
@@ -280,12 +303,50 @@ class ScalingStateManager:
         st.phases.require_no_block(
             "step()", "call step() once per optimizer step, after the forward and backward blocks have closed"
         )
-        self._check_forward_recorded()
-        self._reduction.reduce(st, self._recipe_dict)
-        self.backend.update(st.step_update(self._rule))
+        policy = self._on_nonfinite
+        try:
+            self._check_forward_recorded()
+            reduced = self._reduction.reduce(st, self._recipe_dict)
+            if policy == "raise":
+                refuse_nonfinite(st, st.step_amax if reduced is None else reduced)
+        except ScaleStateError:
+            self._refused = True
+            raise
+        if reduced is not None:
+            st.step_amax.copy_(reduced)
+        self.backend.update(st.step_update(self._rule, count=policy != "raise", forget=policy == "fallback"))
         st.freeze()
-        st.end_step()
+        st.end_step(histories_may_vanish=policy == "fallback")
         st.phases.phase = Phase.IDLE
+        self._refused = False
+
+    def discard_step(self) -> None:
+        """Drop everything recorded since the last :meth:`step`, as if those passes had not run.
+
+        For loops that skip an optimizer step (a NaN loss, as ``GradScaler``
+        skips), or after :meth:`step` refused one. Scales and histories are
+        unchanged; the calling thread's phase returns to ``IDLE``; cached
+        weight casts are dropped.
+        """
+        st = self._state
+        st.phases.require_no_block("discard_step()", "call it between steps, after the blocks have closed")
+        st.discard()
+        st.phases.phase = Phase.IDLE
+        self._refused = False
+
+    def nonfinite_counts(self) -> dict[str, dict[Role, int]]:
+        """Steps whose amax was NaN or infinite, per slot name and role (zeros included).
+
+        Counted under ``on_nonfinite="skip"`` and ``"fallback"`` (a step refused
+        under ``"raise"`` changes nothing, so counts nothing), kept on the
+        state's device and read back here only; saved by :meth:`state_dict`.
+        """
+        st = self._state
+        counts = st.nonfinite.tolist()
+        out: dict[str, dict[Role, int]] = {name: {} for name in self._handles}
+        for slot in st.slots:
+            out[slot.name][slot.role] = int(counts[slot.row])
+        return out
 
     def _check_forward_recorded(self) -> None:
         st = self._state
@@ -338,16 +399,21 @@ class ScalingStateManager:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict`; validated before anything changes.
 
+        Allowed between steps, and after a :meth:`step` that raised (what was
+        recorded since the last step is then replaced by the loaded state).
+
         Raises:
             PhaseError: called in the middle of a step (casts recorded since the last step()).
             StateDictError: missing keys, another recipe, other slots, bad shapes or values.
         """
         st = self._state
         st.phases.require_no_block("load_state_dict()", "load between steps: after step() and before the next forward")
-        if st.recorded_since_step:
+        if st.recorded_since_step and not self._refused:
             raise PhaseError(
                 "load_state_dict() called in the middle of a step (casts were recorded since the "
-                "last step()); load between steps: after step() and before the next forward"
+                "last step()); load between steps: after step() and before the next forward, "
+                "or call discard_step() first to drop what this step recorded"
             )
         loaded = validate(state_dict, st, self._recipe)
         st.load(loaded.history, loaded.scales, loaded.step_amax, loaded.iteration)
+        self._refused = False

@@ -10,6 +10,8 @@ The rules (per slot, per step):
 * ``roll_history``: if the step's amax is ``> 0`` and finite, drop the oldest
   entry and append it (newest last); otherwise leave the history as it is.
 * ``amax_from_history``: ``max(history)`` or the newest entry.
+* non-finite step amaxes are counted per slot; under the ``"fallback"``
+  policy the slot's history is zeroed first (see :func:`update_scales`).
 * ``scale_from_amax``: ``fp8_max / amax / 2**margin`` (a true float32
   division), clamped to ``[smallest normal float32, largest float32]`` (so an
   infinite result becomes the float32 max), then optionally rounded down to a
@@ -30,6 +32,7 @@ __all__ = [
     "ScaleRule",
     "amax_from_history",
     "is_usable_amax",
+    "nonfinite_mask",
     "pow2_floor",
     "roll_history",
     "scale_from_amax",
@@ -65,6 +68,11 @@ class ScaleRule:
 def is_usable_amax(amax: Tensor) -> Tensor:
     """True where an amax may enter a history or yield a scale: ``> 0`` and finite."""
     return (amax > 0) & (amax < float("inf"))
+
+
+def nonfinite_mask(amax: Tensor) -> Tensor:
+    """True where ``amax`` is NaN or infinite (three operations; ``torch.isfinite`` dispatches four)."""
+    return ~(amax.abs() < float("inf"))
 
 
 def roll_history(history: Tensor, amax: Tensor, *, out: Tensor | None = None) -> Tensor:
@@ -146,8 +154,10 @@ def update_scales(
     rule: ScaleRule,
     *,
     in_place: bool = False,
+    nonfinite_counts: Tensor | None = None,
+    forget_nonfinite: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """One step's update of every slot: roll histories, then derive scales.
+    """One step's update of every slot: count non-finite amaxes, roll histories, derive scales.
 
     Args:
         history: ``[N, H]`` amax histories.
@@ -157,10 +167,23 @@ def update_scales(
         rule: how scales follow from the history.
         in_place: write the results into ``history`` and ``scales`` (their
             storage never changes) instead of new tensors.
+        nonfinite_counts: ``[N]`` int64 counters, incremented in place where
+            ``step_amax`` is NaN or infinite.
+        forget_nonfinite: where ``step_amax`` is NaN or infinite, zero the
+            history first (the slot then scales just in time until a finite
+            step gives it history again: the ``"fallback"`` policy). Otherwise
+            such a slot keeps its history and scale (``"skip"``).
 
     Returns:
         ``(new_history, new_scales)`` (``history`` and ``scales`` themselves when ``in_place``).
     """
+    if nonfinite_counts is not None or forget_nonfinite:
+        bad = nonfinite_mask(step_amax)
+        if nonfinite_counts is not None:
+            nonfinite_counts.add_(bad)
+        if forget_nonfinite:
+            forget = bad.unsqueeze(-1)
+            history = history.masked_fill_(forget, 0.0) if in_place else history.masked_fill(forget, 0.0)
     new_history = roll_history(history, step_amax, out=history if in_place else None)
     amax = amax_from_history(new_history, rule.amax_compute)
     new_scales = scale_from_amax(amax, fp8_max, rule, previous=scales, out=scales if in_place else None)

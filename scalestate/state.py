@@ -61,6 +61,7 @@ class State:
         self._scales = self._alloc(0, fill=1.0)
         self._step_amax = self._alloc(0)
         self._fp8_max = self._alloc(0)
+        self._nonfinite = self._alloc_counts(0)
         self._frozen = False
         #: Per-row views of the scale and accumulator buffers (see views_of).
         self._views: list[tuple[Tensor, Tensor]] = []
@@ -131,6 +132,9 @@ class State:
         shape = (rows,) if cols is None else (rows, cols)
         return torch.full(shape, fill, dtype=torch.float32, device=self._device)
 
+    def _alloc_counts(self, rows: int) -> Tensor:
+        return torch.zeros(rows, dtype=torch.int64, device=self._device)
+
     @property
     def device(self) -> torch.device:
         """Where the buffers live."""
@@ -174,6 +178,11 @@ class State:
         """``[N]`` view of each slot's format maximum."""
         return self._fp8_max[: len(self._slots)]
 
+    @property
+    def nonfinite(self) -> Tensor:
+        """``[N]`` int64 view of the number of steps with a non-finite amax, per slot."""
+        return self._nonfinite[: len(self._slots)]
+
     def scale_of(self, slot: Slot) -> Tensor:
         """0-d view of ``slot``'s scale."""
         return self._scales[slot.row]
@@ -193,9 +202,11 @@ class State:
         """``[H]`` view of ``slot``'s history."""
         return self._history[slot.row]
 
-    def step_update(self, rule: ScaleRule) -> StepUpdate:
-        """The buffers in use, as a backend's step update."""
-        return StepUpdate(self.history, self.scales, self.step_amax, self.fp8_max, rule)
+    def step_update(self, rule: ScaleRule, *, count: bool, forget: bool) -> StepUpdate:
+        """The buffers in use, as a backend's step update (``count``: non-finite amaxes;
+        ``forget``: their histories, the fallback policy)."""
+        counts = self.nonfinite if count else None
+        return StepUpdate(self.history, self.scales, self.step_amax, self.fp8_max, rule, counts, forget)
 
     # ------------------------------------------------------- registration
     def reserve(self, rows: int) -> None:
@@ -216,11 +227,14 @@ class State:
         scales = self._alloc(capacity, fill=1.0)
         step_amax = self._alloc(capacity)
         fp8_max = self._alloc(capacity)
+        nonfinite = self._alloc_counts(capacity)
+        nonfinite[:n] = self._nonfinite[:n]
         history[:n] = self._history[:n]
         scales[:n] = self._scales[:n]
         step_amax[:n] = self._step_amax[:n]
         fp8_max[:n] = self._fp8_max[:n]
         self._history, self._scales, self._step_amax, self._fp8_max = history, scales, step_amax, fp8_max
+        self._nonfinite = nonfinite
         self._capacity = capacity
         self._views.clear()
 
@@ -247,6 +261,7 @@ class State:
         self._scales = self._scales.to(device)
         self._step_amax = self._step_amax.to(device)
         self._fp8_max = self._fp8_max.to(device)
+        self._nonfinite = self._nonfinite.to(device)
         self._device = device
         self._views.clear()
         self._casts.clear()
@@ -277,21 +292,42 @@ class State:
             return False
         return True
 
-    def load(self, history: Tensor, scales: Tensor, step_amax: Tensor, iteration: int) -> None:
-        """Overwrite the values of every slot in place (already validated and ordered)."""
+    def load(
+        self, history: Tensor, scales: Tensor, step_amax: Tensor, iteration: int, nonfinite: Tensor | None = None
+    ) -> None:
+        """Overwrite the values of every slot in place (already validated and ordered);
+        what was recorded since the last step is replaced by the loaded ``step_amax``."""
         self.history.copy_(history)
         self.scales.copy_(scales)
         self.step_amax.copy_(step_amax)
+        if nonfinite is not None:
+            self.nonfinite.copy_(nonfinite)
         self._iteration = iteration
         self._with_history.clear()
+        self._forget_recorded()
         self._new_epoch()
 
-    def end_step(self) -> None:
-        """Forget the step's bookkeeping after the buffers were updated."""
+    def end_step(self, *, histories_may_vanish: bool = False) -> None:
+        """Forget the step's bookkeeping after the buffers were updated.
+
+        ``histories_may_vanish``: the step may have zeroed histories (the
+        fallback policy), so which rows have history must be read again.
+        """
         self._iteration += 1
+        self._forget_recorded()
+        if histories_may_vanish:
+            self._with_history.clear()
+        self._new_epoch()
+
+    def discard(self) -> None:
+        """Drop everything recorded since the last step, as if it had not run."""
+        self.step_amax.zero_()
+        self._forget_recorded()
+        self._new_epoch()
+
+    def _forget_recorded(self) -> None:
         self._forward_recorded.clear()
         self._backward_recorded.clear()
-        self._new_epoch()
 
     def _new_epoch(self) -> None:
         """Scales may have changed: weight casts and debug mode's pending amaxes are void."""

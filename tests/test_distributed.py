@@ -120,6 +120,16 @@ def _reduction_worker(rank: int, world: int) -> dict[str, Any]:
         out[f"nan_history_{nan_rank}"] = h.amax_history(I)
         out[f"nan_scale_{nan_rank}"] = h.scale(I)
 
+    # The "raise" policy refuses the step on every rank, also where the NaN was not seen.
+    mr = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", on_nonfinite="raise")
+    h = mr.register("fc", roles=(I,))
+    with mr.forward():
+        h.quantize(torch.full((4,), float("nan") if rank == world - 1 else 1.0), I)
+    try:
+        mr.step()
+    except ss.errors.NonFiniteAmaxError as e:
+        out["raise_error"] = str(e)
+
     # 4. group=None: nothing reduced, no collective.
     mn = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", group=None)
     h = mn.register("fc", roles=(I,))
@@ -153,6 +163,8 @@ def test_one_all_reduce_per_step_and_identical_state(world):
                 assert torch.equal(r["after"][key]["history"][-1], expected), (key, rank)
         for rank, r in enumerate(per_rank):  # rank-local slots keep their own amax
             assert r["after"][(f"expert{rank}", "input")]["history"][-1].item() == rank + 1 + step
+    for r in results:
+        assert r["raise_error"].startswith("step 0: non-finite amax recorded for 1 slot(s): 'fc' INPUT (nan)")
     for nan_rank in range(2):  # the NaN step is skipped on every rank: history not rolled, scale kept
         for r in results:
             assert r[f"nan_history_{nan_rank}"].tolist() == [0.0, 0.0, 0.0, 2.0]

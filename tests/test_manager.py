@@ -222,7 +222,23 @@ class TestStepIsVectorized:
                 m.step()
             counts.append(counter.ops)
         assert counts[0] == counts[1]
-        assert 0 < len(counts[0]) <= 20
+        assert 0 < len(counts[0]) <= 25
+
+    @pytest.mark.parametrize("policy", ["raise", "fallback"])
+    def test_fixed_op_count_under_each_policy(self, policy):
+        """The non-finite policies keep the count fixed too ("raise" adds its one host read)."""
+        counts = []
+        for n in (2, 300):
+            m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", on_nonfinite=policy)
+            handles = [m.register(f"l{i}", roles=(I,)) for i in range(n)]
+            with m.forward():
+                for h in handles:
+                    h.quantize(torch.randn(8), I)
+            with _OpCounter() as counter:
+                m.step()
+            counts.append(counter.ops)
+        assert counts[0] == counts[1]
+        assert 0 < len(counts[0]) <= 27
 
 
 def _region_mechanisms():

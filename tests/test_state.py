@@ -48,8 +48,8 @@ class TestGrowth:
                 for i in range(300):
                     m.register(f"new{i}", roles=(I,))
             counts.append(counter.count)
-        assert abs(counts[0] - counts[1]) <= 16
-        assert max(counts) <= 300 * 3 + 16
+        assert abs(counts[0] - counts[1]) <= 24  # one doubling: five buffers allocated and copied
+        assert max(counts) <= 300 * 3 + 24
 
     def test_values_survive_growth(self, delayed):
         """Growing keeps every earlier slot's history, scale and pending amax."""
