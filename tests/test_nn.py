@@ -237,3 +237,141 @@ class TestConvert:
         model = self._model().eval()
         ss.nn.convert(model, delayed)
         assert not model[0].training
+
+
+def _mlp(manager, device=None, fp8_all_gather=False):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(16, 32, device=device), torch.nn.ReLU(), torch.nn.Linear(32, 8, device=device)
+    )
+    return ss.nn.convert(net, manager, fp8_all_gather=fp8_all_gather)
+
+
+def _train(manager, model, steps=3):
+    """SGD with 2 microbatches per step and growing data; returns losses and the manager's state."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)) * (1 + step)
+        for mb in x.split(4):
+            with manager.forward():
+                loss = model(mb).square().mean()
+            with manager.backward():
+                loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        manager.step()
+    sd = manager.state_dict()
+    return torch.stack(losses), sd["amax_history"], sd["scale"]
+
+
+class TestMeta:
+    def test_forward_infers_shapes_and_records_nothing(self, delayed):
+        """A forward on meta returns a meta output of the right shape and dtype, with autograd, and touches no state."""
+        layer = ss.nn.Linear(16, 8, manager=delayed, name="fc", device="meta")
+        x = torch.randn(2, 3, 16, device="meta", requires_grad=True)
+        y = layer(x)
+        assert y.is_meta and y.shape == (2, 3, 8) and y.dtype == torch.float32
+        y.sum().backward()
+        assert x.grad.is_meta and layer.weight.grad.is_meta
+        assert not delayed.state_dict()["step_amax"].any()
+        delayed.step()  # nothing recorded: no backward-without-forward complaint either
+        assert not delayed.state_dict()["amax_history"].any()
+
+    def test_mixed_devices_say_how_to_materialize(self, delayed):
+        """A meta layer fed a CPU input (or the reverse) is an error that names to_empty."""
+        layer = ss.nn.Linear(16, 8, manager=delayed, name="fc", device="meta")
+        with pytest.raises(ss.errors.CastError, match=r"meta.*to_empty"):
+            layer(torch.randn(2, 16))
+        with pytest.raises(ss.errors.CastError, match=r"feature|to_empty"):
+            ss.nn.Linear(16, 8, manager=delayed, name="cpu")(torch.randn(2, 16, device="meta"))
+
+    @pytest.mark.parametrize("fp8_all_gather", [False, True])
+    def test_materialized_model_trains_like_one_built_on_cpu(self, fp8_all_gather):
+        """Built and converted on meta, then to_empty + the same weights: bitwise the training of a CPU-built model."""
+        results = []
+        for device in ("cpu", "meta"):
+            m = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+            model = _mlp(m, device=device, fp8_all_gather=fp8_all_gather)
+            with torch.no_grad():  # an evaluation pass: records nothing; on meta it must not pin the state there
+                model(torch.randn(4, 16, device=device))
+            if device == "meta":
+                model.to_empty(device="cpu")
+                for layer in model:
+                    if isinstance(layer, torch.nn.Linear):
+                        layer.reset_parameters()  # initializes; the weights are then set like the CPU model's
+                model.load_state_dict(_mlp(ss.ScalingStateManager(ss.DelayedScaling()), "cpu").state_dict())
+            results.append(_train(m, model))
+            assert m.device == torch.device("cpu")
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b)
+
+    def test_linear_on_meta_with_fp8_all_gather(self, delayed):
+        """ss.nn.Linear(..., device="meta", fp8_all_gather=True) materializes and runs."""
+        layer = ss.nn.Linear(16, 8, manager=delayed, name="fc", device="meta", fp8_all_gather=True)
+        layer.to_empty(device="cpu")
+        layer.reset_parameters()
+        assert isinstance(layer.weight, ss.nn.fsdp.FP8AllGatherWeight) and layer.weight.device.type == "cpu"
+        y = layer(torch.randn(2, 16))
+        y.sum().backward()
+        assert layer.weight.grad is not None and layer.weight.grad.shape == (8, 16)
+
+
+class TestFP8AllGatherWithoutFSDP:
+    def test_trains_bitwise_like_a_plain_weight(self):
+        """Outside FSDP, fp8_all_gather=True changes nothing: losses, histories and scales are bitwise equal."""
+        runs = []
+        for fp8_all_gather in (False, True):
+            m = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+            runs.append(_train(m, _mlp(m, fp8_all_gather=fp8_all_gather), steps=4))
+        for a, b in zip(*runs, strict=True):
+            assert torch.equal(a, b)
+
+    def test_in_place_updates_invalidate_the_weight_cast(self, delayed):
+        """An in-place change of the wrapped weight is seen (a fresh cast), as with a plain weight."""
+        layer = ss.nn.Linear(8, 4, manager=delayed, name="fc", fp8_all_gather=True)
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            before = layer(x)
+            layer.weight.mul_(2.0)
+            after = layer(x)
+        assert not torch.equal(before, after)
+
+    def test_weight_is_a_tensor_everywhere(self, delayed):
+        """The wrapped weight keeps torch.nn.Linear's state_dict keys and loads plain checkpoints."""
+        ref = torch.nn.Linear(8, 4)
+        layer = ss.nn.Linear(8, 4, manager=delayed, name="fc", fp8_all_gather=True)
+        layer.load_state_dict(ref.state_dict())
+        assert layer.state_dict().keys() == ref.state_dict().keys()
+        assert torch.equal(layer.weight.detach().clone(), ref.weight.detach())
+        assert layer.fp8_all_gather and "fp8_all_gather=True" in repr(layer)
+
+    def test_checkpoints_hold_plain_tensors(self, delayed, tmp_path):
+        """state_dict() saves plain tensors: torch.load(weights_only=True) reads them; they load back."""
+        layer = ss.nn.Linear(8, 4, manager=delayed, name="fc", fp8_all_gather=True)
+        assert type(layer.state_dict()["weight"]) is torch.Tensor
+        torch.save(layer.state_dict(), tmp_path / "fc.pt")
+        state = torch.load(tmp_path / "fc.pt", weights_only=True)
+        other = ss.nn.Linear(8, 4, manager=delayed, name="other", fp8_all_gather=True)
+        other.load_state_dict(state)
+        torch.nn.Linear(8, 4).load_state_dict(state)
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            assert torch.equal(layer(x), other(x))
+
+    def test_keyword_checked(self, delayed):
+        """fp8_all_gather takes a bool, on the layer and in convert()."""
+        with pytest.raises(TypeError, match="fp8_all_gather"):
+            ss.nn.Linear(8, 4, manager=delayed, fp8_all_gather=1)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="fp8_all_gather"):
+            ss.nn.convert(torch.nn.Linear(8, 4), delayed, fp8_all_gather="yes")  # type: ignore[arg-type]
+
+    def test_tied_weights_refused(self, delayed):
+        """convert(fp8_all_gather=True) refuses layers that share a weight, converting nothing."""
+        a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        b.weight = a.weight
+        model = torch.nn.Sequential(a, b)
+        with pytest.raises(ss.errors.SlotError, match=r"share one weight.*filter_fn"):
+            ss.nn.convert(model, delayed, fp8_all_gather=True)
+        assert type(model[0]) is torch.nn.Linear and not delayed.handles

@@ -8,6 +8,7 @@ import torch
 
 from scalestate.errors import SlotError
 from scalestate.manager import ScalingStateManager
+from scalestate.nn.fsdp import wrap_weight
 from scalestate.nn.linear import Linear, _free_name
 
 __all__ = ["convert"]
@@ -17,6 +18,8 @@ def convert(
     model: torch.nn.Module,
     manager: ScalingStateManager,
     filter_fn: Callable[[str, torch.nn.Module], bool] | None = None,
+    *,
+    fp8_all_gather: bool = False,
 ) -> torch.nn.Module:
     """Replace every ``torch.nn.Linear`` of ``model`` by a :class:`scalestate.nn.Linear`.
 
@@ -35,6 +38,14 @@ def convert(
         manager: owns the new layers' scaling state.
         filter_fn: ``filter_fn(path, module) -> bool``; only layers for which it
             returns True are converted.
+        fp8_all_gather: under FSDP2, all-gather the new layers' weights in FP8
+            (see :class:`scalestate.nn.Linear` and :mod:`scalestate.nn.fsdp`).
+            Their weights then become new parameter objects that share the
+            old ones' values: build the optimizer after the conversion (and
+            after ``fully_shard``, as FSDP2 requires anyway).
+
+    Models built on the ``meta`` device convert like any other; materialize
+    them afterwards (``model.to_empty(device=...)``, then initialize).
 
     Example:
         >>> import torch, scalestate as ss
@@ -46,9 +57,11 @@ def convert(
         >>> list(m.handles)
         ['0']
     """
+    if not isinstance(fp8_all_gather, bool):
+        raise TypeError(f"fp8_all_gather must be True or False; got {fp8_all_gather!r}")
     if type(model) is torch.nn.Linear:
         if filter_fn is None or filter_fn("", model):
-            return _swap(model, manager, _free_name(manager, "linear"))
+            return _swap(model, manager, _free_name(manager, "linear"), fp8_all_gather)
         return model
     # Every path to every layer: a layer reachable twice (shared) is converted
     # once, under its first path, and replaced at all of them.
@@ -65,15 +78,32 @@ def convert(
             f"cannot convert: slot name(s) {taken} are already registered with this manager; "
             "convert each model once per manager, or use a fresh manager"
         )
+    if fp8_all_gather:
+        _refuse_tied_weights({found[0]: layers[key] for key, found in chosen.items()})
     for key, found in chosen.items():
-        new = _swap(layers[key], manager, found[0])
+        new = _swap(layers[key], manager, found[0], fp8_all_gather)
         for path in found:
             parent_path, _, child = path.rpartition(".")
             setattr(model.get_submodule(parent_path), child, new)
     return model
 
 
-def _swap(module: torch.nn.Linear, manager: ScalingStateManager, name: str) -> Linear:
+def _refuse_tied_weights(layers: dict[str, torch.nn.Linear]) -> None:
+    """FP8 all-gather casts each weight through its own layer's slot: a weight tied
+    between layers would have two slots and two casts; refuse before converting anything."""
+    owners: dict[int, list[str]] = {}
+    for path, layer in layers.items():
+        owners.setdefault(id(layer.weight), []).append(path)
+    tied = [paths for paths in owners.values() if len(paths) > 1]
+    if tied:
+        raise SlotError(
+            f"cannot convert with fp8_all_gather=True: layers {tied[0]} share one weight, and an FP8 "
+            "all-gather casts each weight with its own layer's scale. Leave all but one of them out "
+            "with filter_fn, or convert with fp8_all_gather=False"
+        )
+
+
+def _swap(module: torch.nn.Linear, manager: ScalingStateManager, name: str, fp8_all_gather: bool) -> Linear:
     new = Linear(
         module.in_features,
         module.out_features,
@@ -81,8 +111,9 @@ def _swap(module: torch.nn.Linear, manager: ScalingStateManager, name: str) -> L
         manager=manager,
         name=name,
         device="meta",
+        fp8_all_gather=fp8_all_gather,
     )
-    new.weight = module.weight
+    new.weight = wrap_weight(module.weight, new.handle) if fp8_all_gather else module.weight
     new.bias = module.bias
     new.train(module.training)
     return new

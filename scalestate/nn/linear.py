@@ -12,6 +12,7 @@ from scalestate.errors import CastError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.nn import tensor_parallel
+from scalestate.nn.fsdp import plain_state_dict, quantize_weight, wrap_weight
 from scalestate.quantized import Quantized
 from scalestate.recipe import Role
 
@@ -96,16 +97,34 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
             f"slot {handle.name!r}: input has {x.shape[-1]} features in its last dimension, "
             f"the weight expects {weight.shape[1]}"
         )
+    if x.is_meta or weight.is_meta:
+        return _meta_linear(x, weight, bias, handle)
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     backend = handle.manager.backend
     transpose = backend.wants_transposed(x.device)
     qx = handle.quantize(x2, Role.INPUT, transpose=transpose)
-    qw = handle.quantize(weight, Role.WEIGHT, transpose=transpose)
+    qw = quantize_weight(handle, weight, transpose=transpose)
     # torch types Function.apply as untyped; its result here is the forward's Tensor
     out: Tensor = _FP8Linear.apply(x2, weight, bias, qx, qw, handle, backend, out_dtype)  # type: ignore[no-untyped-call]
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _meta_linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle) -> Tensor:
+    """Shape inference on the ``meta`` device: an output of the FP8 product's shape and of
+    ``x``'s dtype (autocast has no meta device), with its autograd graph, made by
+    ``torch.nn.functional.linear``; nothing is cast or recorded, and the manager is untouched."""
+    tensors = {"input": x, "weight": weight, "bias": bias}
+    off_meta = {key: str(t.device) for key, t in tensors.items() if t is not None and not t.is_meta}
+    if off_meta:
+        raise CastError(
+            f"slot {handle.name!r}: some operands are on the meta device and some are not ({off_meta}); "
+            "materialize the module first (model.to_empty(device=...), then initialize its parameters) "
+            "and pass an input on that device, or pass a meta input to infer shapes"
+        )
+    b = None if bias is None else bias.to(x.dtype)
+    return torch.nn.functional.linear(x, weight.to(x.dtype), b)
 
 
 class Linear(torch.nn.Linear):
@@ -122,7 +141,17 @@ class Linear(torch.nn.Linear):
         manager: the manager that owns its scaling state.
         name: its slot name (default: ``"linear"``, ``"linear_1"``, ... unique
             in the manager); :func:`scalestate.nn.convert` uses module paths.
-        device, dtype: of the parameters, as in ``torch.nn.Linear``.
+        device, dtype: of the parameters, as in ``torch.nn.Linear``; on
+            ``"meta"`` a forward infers shapes only (nothing is cast or
+            recorded) until ``to_empty(device=...)`` and an initialization
+            such as :meth:`reset_parameters` materialize it.
+        fp8_all_gather: under FSDP2 (``fully_shard``), all-gather the weight in
+            FP8, cast with its slot's scale before the gather: half the bytes
+            of a bf16 all-gather, the same numbers (see
+            :mod:`scalestate.nn.fsdp`). The weight parameter is then an
+            :class:`~scalestate.nn.fsdp.FP8AllGatherWeight`, which acts as a
+            plain tensor outside FSDP. The manager must reduce across FSDP's
+            shard group (its default, the world group, does).
 
     Example:
         >>> import torch, scalestate as ss
@@ -144,18 +173,28 @@ class Linear(torch.nn.Linear):
         name: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        fp8_all_gather: bool = False,
     ) -> None:
         if not isinstance(manager, ScalingStateManager):
             raise TypeError(f"manager must be a ScalingStateManager; got {type(manager).__name__}")
+        if not isinstance(fp8_all_gather, bool):
+            raise TypeError(f"fp8_all_gather must be True or False; got {fp8_all_gather!r}")
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.handle = manager.register(name if name is not None else _free_name(manager, "linear"), roles=tuple(Role))
+        #: Whether FSDP2 all-gathers the weight in FP8 (fixed at construction).
+        self.fp8_all_gather = fp8_all_gather
+        if fp8_all_gather:
+            self.weight = wrap_weight(self.weight, self.handle)
+            # torch leaves register_state_dict_post_hook untyped
+            self.register_state_dict_post_hook(plain_state_dict)  # type: ignore[no-untyped-call]
 
     def forward(self, x: Tensor) -> Tensor:
         """FP8 ``x @ weight.T + bias``."""
         return linear(x, self.weight, self.bias, self.handle)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, slot={self.handle.name!r}"
+        extra = ", fp8_all_gather=True" if self.fp8_all_gather else ""
+        return f"{super().extra_repr()}, slot={self.handle.name!r}{extra}"
 
 
 def _free_name(manager: ScalingStateManager, base: str) -> str:

@@ -1,0 +1,461 @@
+"""FP8 all-gather under FSDP2: the sharded weight is cast to FP8 *before* FSDP gathers it.
+
+Design requirement: under ``torch.distributed.fsdp.fully_shard`` each rank
+holds a shard of every weight and all-gathers the full weight before each
+forward (and again before backward). Gathering the weight already cast to
+FP8 halves the all-gather bytes against bf16, with no extra collective and
+with the manager's semantics unchanged:
+
+* **One scale for the whole weight.** Every rank casts its shard with the
+  WEIGHT slot's delayed scale, which :meth:`ScalingStateManager.step` makes
+  identical on every rank of the reduction group (invariant 10).
+* **The shard amaxes ride in the step's one all-reduce.** The cast of a shard
+  records the shard's amax into the WEIGHT slot's accumulator; the step's
+  all-reduce MAX over the group turns it into the whole weight's amax, the
+  value an unsharded cast would have recorded.
+* **Just in time, before the first step.** A slot with no history yet is
+  scaled from the tensor it casts; a shard alone would give each rank its own
+  scale. While the WEIGHT slot has no history (delayed scaling before its
+  first ``step()``; every step under :class:`~scalestate.CurrentScaling`),
+  the shards' amaxes are all-reduced (MAX) over FSDP's shard group, one small
+  all-reduce per weight, once per weight version, and the shard is cast as if
+  it held that amax: the scale is exactly the one a cast of the whole weight
+  derives. From the first step on, no collective is added.
+* **Cached and classified like any weight cast.** The cast goes through
+  :meth:`ScalingHandle.quantize`, so it is made once per (weight version,
+  scale epoch): FSDP's re-gather before backward reuses it, bit for bit,
+  records nothing (it runs inside autograd's backward, like a recompute),
+  and an evaluation pass records nothing. FSDP runs the cast under
+  ``no_grad``; the layer's own forward then uses the cached cast once more,
+  in the caller's grad mode and phase, which is what decides whether the
+  amax counts for the step (invariant 5: a cache hit records exactly what a
+  fresh cast would have).
+* **Same numbers as the bf16 all-gather.** Under a ``MixedPrecisionPolicy``
+  the shard is first rounded to ``param_dtype``, exactly the values the layer
+  would have cast after a high-precision all-gather; so training with and
+  without ``fp8_all_gather`` is bitwise the same, and only the bytes on the
+  wire change.
+
+Two tensor subclasses implement FSDP2's all-gather extension
+(``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, see torch's
+``_fsdp_param.py``): :class:`FP8AllGatherWeight`, the high-precision weight
+parameter (it behaves as a plain tensor everywhere else, and FSDP shards it
+as one), and :class:`GatheredFP8Weight`, the unsharded parameter FSDP
+builds from the FP8 all-gather output, which :func:`scalestate.nn.linear`
+multiplies directly. Both are made by ``ss.nn.Linear(..., fp8_all_gather=True)``
+and ``ss.nn.convert(..., fp8_all_gather=True)``; eager mode only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from scalestate.errors import CastError, ScaleStateError
+from scalestate.handle import ScalingHandle
+from scalestate.quantized import Quantized
+from scalestate.recipe import Role
+
+__all__ = ["FP8AllGatherWeight", "GatheredFP8Weight", "plain_state_dict", "quantize_weight", "wrap_weight"]
+
+_aten = torch.ops.aten
+
+#: Ops after which the result is still the (sharded) FP8-all-gather weight: the
+#: ones FSDP uses to shard, pad and move it, and ``to_empty``'s ``empty_like``.
+_KEEP_SUBCLASS = frozenset(
+    {
+        _aten.empty_like.default,
+        _aten.new_zeros.default,
+        _aten.new_empty.default,
+        _aten.slice.Tensor,
+        _aten.copy_.default,
+        _aten.view.default,
+        _aten.as_strided.default,
+        _aten._to_copy.default,
+        _aten._pin_memory.default,
+        _aten.split.Tensor,
+        _aten.clone.default,
+        _aten.alias.default,
+    }
+)
+
+
+class FP8AllGatherWeight(torch.Tensor):
+    """A high-precision weight that FSDP2 all-gathers in FP8, cast with its slot's scale.
+
+    Outside FSDP it is the plain tensor it wraps: every operation runs on the
+    wrapped values (and in-place ones change them), so optimizers,
+    ``load_state_dict``, ``to_empty`` and initializers work unchanged. Under
+    ``fully_shard`` FSDP keeps a shard of it per rank and calls
+    :meth:`fsdp_pre_all_gather` / :meth:`fsdp_post_all_gather` around each
+    all-gather (see the module docstring for the scaling rules).
+
+    Made by ``ss.nn.Linear(..., fp8_all_gather=True)``; read-only attributes:
+    :attr:`handle`. Its ``state_dict`` entries are the plain tensors it wraps.
+
+    .. warning:: Under delayed scaling, until the WEIGHT slot has history,
+       each new shard cast reads the slot's newest history entry on the host:
+       a device sync on GPUs, in the first step only.
+    """
+
+    _tensor: Tensor
+    _handle: ScalingHandle
+    #: (key, source) of the last shard cast source (see _source).
+    _source_memo: tuple[tuple[Any, ...], Tensor] | None
+    #: manager.iteration at which the WEIGHT slot was seen with history.
+    _history_seen_at: int | None
+
+    def __new__(cls, tensor: Tensor, handle: ScalingHandle) -> FP8AllGatherWeight:
+        out: FP8AllGatherWeight = torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+        return out
+
+    def __init__(self, tensor: Tensor, handle: ScalingHandle) -> None:
+        self._tensor = tensor
+        self._handle = handle
+        self._source_memo = None
+        self._history_seen_at = None
+
+    @property
+    def handle(self) -> ScalingHandle:
+        """The handle whose WEIGHT slot scales the FP8 all-gather."""
+        return self._handle
+
+    def __repr__(self) -> str:  # type: ignore[override]  # torch's stub has extra keyword parameters
+        return f"FP8AllGatherWeight(slot={self._handle.name!r}, {self._tensor!r})"
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares it as a plain function, set per class
+        cls,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        handles = [a._handle for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, FP8AllGatherWeight)]
+        if func is _aten.detach.default:
+            return FP8AllGatherWeight(args[0]._tensor, handles[0])
+        plain_args, plain_kwargs = pytree.tree_map_only(
+            FP8AllGatherWeight, lambda t: t._tensor, (tuple(args), kwargs or {})
+        )
+        out = func(*plain_args, **plain_kwargs)
+        _count_writes(func, args, kwargs or {})
+        if func not in _KEEP_SUBCLASS:
+            return out
+        return pytree.tree_map_only(Tensor, lambda t: FP8AllGatherWeight(t, handles[0]), out)
+
+    def __tensor_flatten__(self) -> tuple[list[str], ScalingHandle]:
+        return ["_tensor"], self._handle
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, Tensor], handle: ScalingHandle, outer_size: Any, outer_stride: Any
+    ) -> FP8AllGatherWeight:
+        return FP8AllGatherWeight(inner["_tensor"], handle)
+
+    # ------------------------------------------------------------ FSDP2 hooks
+    def fsdp_pre_all_gather(
+        self,
+        mesh: Any,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: torch.nn.Module,
+        mp_policy: Any,
+    ) -> tuple[tuple[Tensor, ...], tuple[Any, ...]]:
+        """This rank's all-gather input: its shard cast to FP8 (as bytes), and the cast's scales.
+
+        Called by FSDP2 (under ``no_grad``) before each all-gather of the weight.
+        """
+        local = self._tensor
+        world = mesh.size()
+        _require_reduction(self._handle, mesh)
+        if local.dim() != len(outer_size) or tuple(local.shape[1:]) != tuple(outer_size[1:]):
+            raise CastError(
+                f"slot {self._handle.name!r}: FP8 all-gather supports FSDP's default sharding on dim 0; "
+                f"got a shard of shape {tuple(local.shape)} of a weight of shape {tuple(outer_size)}. "
+                "Drop shard_placement_fn for this module, or use fp8_all_gather=False"
+            )
+        padded_rows = -(-outer_size[0] // world)  # FSDP pads every shard to the first one's rows
+        dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else local.dtype
+        source = self._source(mesh, dtype, padded_rows)
+        q = self._handle.quantize(source, Role.WEIGHT)
+        data = q.data[:-1].view(padded_rows, *outer_size[1:])
+        # Gathered as bytes: every process-group backend takes uint8 (not all take float8).
+        return (data.view(torch.uint8),), (q.data.dtype, q.scale, q.scale_inv, source)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[Tensor, ...],
+        metadata: tuple[Any, ...],
+        param_dtype: torch.dtype,
+        *,
+        out: Tensor | None = None,
+    ) -> tuple[GatheredFP8Weight, tuple[Tensor, ...]] | None:
+        """The unsharded weight, from the gathered FP8 bytes (in place into ``out`` after the first gather)."""
+        (gathered,) = all_gather_outputs
+        fp8_dtype, scale, scale_inv, source = metadata
+        if out is not None:
+            if not isinstance(out, GatheredFP8Weight):
+                raise CastError(
+                    f"slot {self._handle.name!r}: FSDP handed back an unsharded weight of type "
+                    f"{type(out).__name__}; expected the GatheredFP8Weight made by the first all-gather"
+                )
+            out._refresh(scale, scale_inv, source)
+            return None
+        data = gathered.view(fp8_dtype)
+        return GatheredFP8Weight(data, scale, scale_inv, source, self._handle, param_dtype), (gathered,)
+
+    # --------------------------------------------------------------- helpers
+    def _source(self, mesh: Any, dtype: torch.dtype, padded_rows: int) -> Tensor:
+        """The flat tensor the shard is cast from: the shard in ``dtype``, zero-padded, plus one element.
+
+        The extra last element is 0, or, while the slot is scaled just in time,
+        the amax of the whole weight (all-reduced over the shard group), so that
+        the cast derives the scale a cast of the whole weight would. Kept while the
+        shard is unchanged, so that the manager's cast cache recognises it.
+        """
+        local = self._tensor
+        jit = self._scaled_just_in_time()
+        key = (local._version, local.data_ptr(), dtype, padded_rows, jit)
+        memo = self._source_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        cols = math.prod(local.shape[1:])
+        source = torch.zeros(padded_rows * cols + 1, dtype=dtype, device=local.device)
+        source[: local.numel()].copy_(local.reshape(-1))
+        if jit:
+            amax = torch.linalg.vector_norm(source[:-1].float(), float("inf"))
+            # NaN as +inf, so that every rank reduces to the same non-finite value
+            # (which leaves every rank's scale at its previous value, as the step does).
+            amax = torch.nan_to_num(amax, nan=float("inf"))
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            source[-1] = amax
+        self._source_memo = (key, source)
+        return source
+
+    def _scaled_just_in_time(self) -> bool:
+        """Whether the WEIGHT slot's next cast scales from the tensor (no history yet).
+
+        The same answer on every rank: histories are reduced. Reads the slot's
+        newest history entry until it is non-zero (a host read: a device sync
+        on GPUs, once per step until the first step has run), then trusts it
+        for every later iteration (history, once there, is kept by every step).
+        """
+        manager = self._handle.manager
+        if not manager.recipe.delayed:
+            return True
+        seen = self._history_seen_at
+        if seen is not None and manager.iteration >= seen:
+            return False
+        if float(self._handle.amax_history(Role.WEIGHT)[-1]) > 0:
+            self._history_seen_at = manager.iteration
+            return False
+        return True
+
+
+def _require_reduction(handle: ScalingHandle, mesh: Any) -> None:
+    """Raise unless the manager's step reduces over every rank of FSDP's shard group.
+
+    Shards cast with different scales cannot be gathered into one FP8 tensor;
+    only the step's reduction makes the ranks' scales identical.
+    """
+    manager = handle.manager
+    shard_ranks = dist.get_process_group_ranks(mesh.get_group())
+    group = manager.group
+    reduced = set(dist.get_process_group_ranks(group)) if group is not None else set()
+    missing = sorted(set(shard_ranks) - reduced)
+    if missing:
+        raise ScaleStateError(
+            f"slot {handle.name!r}: fp8_all_gather gathers shards from ranks {shard_ranks}, which must all "
+            f"cast with one scale, but the manager's step reduces over "
+            f"{'no group (group=None)' if group is None else sorted(reduced)}: ranks {missing} are left out. "
+            "Give the manager a group that includes FSDP's shard group (the default, the world group, "
+            "does), or use fp8_all_gather=False"
+        )
+
+
+def _count_writes(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """Bump the version counter of every wrapped tensor ``func`` wrote to.
+
+    An op on a wrapper runs on the wrapped tensor below autograd, where torch
+    bumps no version counter; the weight-cast cache (and the shard cast
+    source) relies on the wrapped tensor's version to see optimizer steps.
+    """
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, FP8AllGatherWeight) and not t._tensor.is_inference():
+                torch.autograd.graph.increment_version(t._tensor)
+
+
+class GatheredFP8Weight(torch.Tensor):
+    """The unsharded weight FSDP2 builds from an FP8 all-gather: FP8 data and the scale it was cast with.
+
+    It reports the parameter's dtype and shape (autograd gives it gradients of
+    that dtype); :func:`scalestate.nn.linear` multiplies its FP8 data directly.
+    Any other operation sees its dequantized values. FSDP frees and refills its
+    data in place at every reshard and all-gather.
+    """
+
+    _data: Tensor
+    _scale: Tensor
+    _scale_inv: Tensor
+    _source: Tensor
+    _handle: ScalingHandle
+    _transposed: Tensor | None
+
+    def __new__(
+        cls,
+        data: Tensor,
+        scale: Tensor,
+        scale_inv: Tensor,
+        source: Tensor,
+        handle: ScalingHandle,
+        dtype: torch.dtype,
+    ) -> GatheredFP8Weight:
+        out: GatheredFP8Weight = torch.Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), dtype=dtype, device=data.device, requires_grad=False
+        )
+        return out
+
+    def __init__(
+        self,
+        data: Tensor,
+        scale: Tensor,
+        scale_inv: Tensor,
+        source: Tensor,
+        handle: ScalingHandle,
+        dtype: torch.dtype,
+    ) -> None:
+        self._data = data
+        self._handle = handle
+        self._refresh(scale, scale_inv, source)
+
+    def _refresh(self, scale: Tensor, scale_inv: Tensor, source: Tensor) -> None:
+        """A new all-gather refilled the data in place: take its scales and cast source."""
+        self._scale = scale
+        self._scale_inv = scale_inv
+        self._source = source
+        self._transposed = None
+
+    def quantized(self, *, transpose: bool = False) -> Quantized:
+        """The gathered weight as a :class:`Quantized`, accounted for in the current phase.
+
+        Casts the shard source once more through the handle: a hit in the
+        manager's cast cache, which records the shard's amax if (and only if)
+        this use is a training forward.
+        """
+        self._handle.quantize(self._source, Role.WEIGHT)
+        transposed = None
+        if transpose:
+            if self._transposed is None:
+                self._transposed = self._data.t().contiguous()
+            transposed = self._transposed
+        return Quantized(self._data, scale=self._scale, scale_inv=self._scale_inv, transposed=transposed)
+
+    def _like(self, data: Tensor) -> GatheredFP8Weight:
+        return GatheredFP8Weight(data, self._scale, self._scale_inv, self._source, self._handle, self.dtype)
+
+    def _dequantized(self) -> Tensor:
+        return (self._data.float() * self._scale_inv).to(self.dtype)
+
+    def __repr__(self) -> str:  # type: ignore[override]  # torch's stub has extra keyword parameters
+        return f"GatheredFP8Weight(slot={self._handle.name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares it as a plain function, set per class
+        cls,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, GatheredFP8Weight):
+            if func in (_aten.detach.default, _aten.alias.default):
+                return first._like(first._data)
+            if func is _aten.as_strided.default:
+                return first._like(first._data.as_strided(*args[1:], **kwargs))
+            if func is _aten.view.default:
+                return first._like(first._data.view(*args[1:], **kwargs))
+        # Anything else sees the values the FP8 data stands for.
+        plain_args, plain_kwargs = pytree.tree_map_only(
+            GatheredFP8Weight, lambda t: t._dequantized(), (tuple(args), kwargs)
+        )
+        return func(*plain_args, **plain_kwargs)
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[ScalingHandle, torch.dtype]]:
+        return ["_data", "_scale", "_scale_inv", "_source"], (self._handle, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, Tensor], ctx: tuple[ScalingHandle, torch.dtype], outer_size: Any, outer_stride: Any
+    ) -> GatheredFP8Weight:
+        handle, dtype = ctx
+        return GatheredFP8Weight(inner["_data"], inner["_scale"], inner["_scale_inv"], inner["_source"], handle, dtype)
+
+
+def quantize_weight(handle: ScalingHandle, weight: Tensor, *, transpose: bool = False) -> Quantized:
+    """The FP8 weight of a product: the FP8 all-gather's output if FSDP made one, else a cast.
+
+    In every case the WEIGHT slot is accounted for exactly as by
+    ``handle.quantize(weight, Role.WEIGHT)``.
+    """
+    if isinstance(weight, GatheredFP8Weight):
+        return weight.quantized(transpose=transpose)
+    if isinstance(weight, FP8AllGatherWeight):  # not sharded: cast the values it wraps
+        weight = weight._tensor
+    return handle.quantize(weight, Role.WEIGHT, transpose=transpose)
+
+
+def wrap_weight(weight: Tensor, handle: ScalingHandle) -> torch.nn.Parameter:
+    """A new parameter holding ``weight``'s values (shared, not copied) that FSDP2 all-gathers in FP8."""
+    requires_grad = weight.requires_grad
+    if isinstance(weight, FP8AllGatherWeight):
+        if isinstance(weight, torch.nn.Parameter) and weight.handle is handle:
+            return weight
+        weight = weight._tensor
+    return torch.nn.Parameter(FP8AllGatherWeight(weight.detach(), handle), requires_grad=requires_grad)
+
+
+
+
+def plain_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """A ``state_dict`` post-hook: FP8-all-gather weights are saved as the plain tensors they wrap.
+
+    Checkpoints then hold ordinary tensors (``torch.save`` / ``torch.load(weights_only=True)``
+    and distributed checkpoints read them), sharing storage with the weight so that
+    an in-place load into the state dict loads the model. Under FSDP2 the sharded
+    DTensor keeps its placements, over the plain local shard.
+    """
+    for key, value in state_dict.items():
+        if not key.startswith(prefix) or "." in key[len(prefix) :]:
+            continue  # a submodule's entry
+        if isinstance(value, FP8AllGatherWeight):
+            state_dict[key] = value._tensor
+            continue
+        local = getattr(value, "_local_tensor", None)
+        if isinstance(local, FP8AllGatherWeight):
+            from torch.distributed.tensor import DTensor
+
+            mesh, placements = value.device_mesh, value.placements
+            state_dict[key] = DTensor.from_local(
+                local._tensor, mesh, placements, run_check=False, shape=value.shape, stride=value.stride()
+            )
