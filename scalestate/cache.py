@@ -56,6 +56,11 @@ class WeightCastCache:
     def __init__(self) -> None:
         self._entries: dict[int, CachedCast] = {}
 
+    def __reduce__(self) -> tuple[type[WeightCastCache], tuple[()]]:
+        """A copy starts empty: the casts are derived data, keyed by the original tensors
+        (a copy recasts each weight once, recording it again: the max is unchanged)."""
+        return WeightCastCache, ()
+
     def get(self, slot: Slot, x: Tensor, epoch: int) -> CachedCast | None:
         """The cached cast of ``x`` for ``slot`` if still valid, else ``None``."""
         entry = self._entries.get(slot.row)

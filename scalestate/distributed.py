@@ -129,6 +129,20 @@ class Reduction:
         #: Rows of the reduced slots in (name, role) order; None: every row, in row order.
         self._rows: Tensor | None = None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Reduction:
+        """A deep copy reduces over the very same group (a process group is not copied)."""
+        return Reduction(self._spec)
+
+    def __reduce__(self) -> tuple[type[Reduction], tuple[Any]]:
+        """Pickled as its group argument; an explicit group cannot leave its process."""
+        if self._spec is not DEFAULT_GROUP and self._spec is not None:
+            raise TypeError(
+                f"cannot pickle a manager built with group={self._spec!r}: process groups belong to "
+                "the process that made them. Save manager.state_dict() instead (it holds every value), "
+                "and build the manager again with its group where it is loaded"
+            )
+        return Reduction, (self._spec,)
+
     @property
     def spec(self) -> Any:
         """What the manager was given."""

@@ -75,6 +75,11 @@ class PhaseStack(threading.local):
         #: Open blocks: (the block's phase, the phase to restore on exit).
         self.blocks: list[tuple[Phase, Phase]] = []
 
+    def __reduce__(self) -> tuple[object, tuple[Phase]]:
+        """A copy (pickled, deep-copied) has the calling thread's phase, and no open blocks
+        (they belong to the ``with`` statements of the original)."""
+        return _phases_at, (self.phase,)
+
     def begin(self, phase: Phase, call: str) -> None:
         """Switch to ``phase`` (``call`` names the method for errors); recompute may start inside a block."""
         if self.blocks and phase is not Phase.RECOMPUTE:
@@ -106,6 +111,13 @@ class PhaseStack(threading.local):
         """Raise a PhaseError naming ``call``, the open block and ``fix`` if a block is open."""
         if self.blocks:
             raise PhaseError(f"{call} called inside `with manager.{self.blocks[-1][0].value}()`; {fix}")
+
+
+def _phases_at(phase: Phase) -> PhaseStack:
+    """A PhaseStack whose creating thread is in ``phase`` (other threads start IDLE)."""
+    stack = PhaseStack()
+    stack.phase = phase
+    return stack
 
 
 class _Marks(threading.local):

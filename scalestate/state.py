@@ -79,6 +79,12 @@ class State:
         self._casts = WeightCastCache()
         self._checker = RecomputeChecker() if debug else None
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled and deep-copied without the cached row views (made again on first use)."""
+        state = self.__dict__.copy()
+        state["_views"] = []
+        return state
+
     # ------------------------------------------------------- bookkeeping
     @property
     def pinned(self) -> bool:

@@ -95,6 +95,17 @@ def _reduction_worker(rank: int, world: int) -> dict[str, Any]:
         h.quantize(torch.full((4,), float(rank + 1)), I)
     mm.step()
     out["mesh_history"] = h.amax_history(I)
+    try:  # an explicit group cannot be pickled; a deep copy reduces over the same group
+        import pickle
+
+        pickle.dumps(mm)
+    except TypeError as e:
+        out["pickle_error"] = str(e)
+    twin = __import__("copy").deepcopy(mm)
+    with twin.forward():
+        twin.handles["fc"].quantize(torch.full((4,), float(10 * (rank + 1))), I)
+    twin.step()
+    out["twin_history"] = twin.handles["fc"].amax_history(I)
     if world == 4:  # a 2-D mesh: reduce over "dp" only
         mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         try:
@@ -173,6 +184,9 @@ def test_one_all_reduce_per_step_and_identical_state(world):
     assert len({s.item() for s in scales}) == world  # one per rank: not reduced
     for r in results:
         assert r["mesh_history"][-1].item() == world
+        assert r["twin_history"][-1].item() == 10 * world
+        assert "cannot pickle a manager built with group=" in r["pickle_error"]
+        assert "manager.state_dict()" in r["pickle_error"]
         assert r["none_collectives"] == []
     assert sorted(r["none_history"][-1].item() for r in results) == [float(i + 1) for i in range(world)]
     if world == 4:  # dp groups of mesh (2, 2) with dims (dp, tp): ranks {0, 2} and {1, 3}
