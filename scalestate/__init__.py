@@ -22,6 +22,7 @@ from scalestate import (
     errors,
     nn,  # nn builds on the manager above
 )
+from scalestate.atomic import atomic_save
 from scalestate.checkpoint import checkpoint
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
@@ -42,6 +43,7 @@ __all__ = [
     "Role",
     "ScalingHandle",
     "ScalingStateManager",
+    "atomic_save",
     "backends",
     "checkpoint",
     "errors",
