@@ -57,7 +57,7 @@ class _CountingAllGather:
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
     ) -> Any:
         self.sink.append(output_tensor.numel() * output_tensor.element_size())
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def _shard(model: nn.Module, *, bf16: bool = False, sink: list[int] | None = None) -> nn.Module:
@@ -137,7 +137,15 @@ def _fsdp(manager: ss.ScalingStateManager, rank: int, **kw: Any) -> dict[str, An
     bias = kw.pop("bias", False)
     sink: list[int] = []
     model = _shard(_model(manager, fp8_all_gather=fp8, bias=bias), bf16=bf16, sink=sink)
+    seen: list[tuple[str, torch.dtype, torch.Tensor]] = []
+
+    def look(module: nn.Module, args: Any) -> None:  # the unsharded weight, as the layer's forward sees it
+        if not seen:
+            seen.append((type(module.weight).__name__, module.weight.dtype, module.weight.float().clone()))
+
+    model[0].register_forward_pre_hook(look)
     out = _train(manager, model, rank, **kw)
+    out["unsharded"] = seen[0]
     out["gathered_bytes"] = sum(sink)
     before = manager.state_dict()
     out["probe"] = _probe(model)
@@ -369,6 +377,18 @@ class TestFP8AllGather:
         for r in two:
             assert "fp8_all_gather" in r["no_group_error"] and "group=None" in r["no_group_error"]
             assert "fp8_all_gather=False" in r["no_group_error"]
+
+    def test_the_unsharded_weight(self, two):
+        """The layer sees a GatheredFP8Weight of the parameter dtype; other ops see its values (FP8-rounded)."""
+        for r in two:
+            name, dtype, values = r["bf16_fp8"]["unsharded"]
+            plain_name, plain_dtype, plain_values = r["bf16"]["unsharded"]
+            assert (name, dtype) == ("GatheredFP8Weight", torch.bfloat16)
+            assert (plain_name, plain_dtype) == ("Parameter", torch.bfloat16)
+            assert type(values) is torch.Tensor and values.dtype == torch.float32
+            # E4M3 keeps 3 mantissa bits: relative error <= 2**-4 (values far above the subnormal range)
+            torch.testing.assert_close(values, plain_values, rtol=2**-4, atol=1e-6)
+            assert not torch.equal(values, plain_values)
 
 
 class TestCheckpoint:
