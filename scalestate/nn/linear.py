@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,9 +22,15 @@ __all__ = ["Linear", "linear"]
 
 
 
+#: Casts the output gradient: ``cast_grad(dy, transpose) -> Quantized``.
+GradCaster = Callable[[Tensor, bool], Quantized]
+
+
 class _FP8Linear(torch.autograd.Function):
-    """``y = x @ w.T + b`` with x and w already cast; backward casts ``dy`` and
-    runs both of its products in FP8. Only FP8 tensors (and their scales) are saved."""
+    """``y = x @ w.T + b`` with x and w already cast; backward casts ``dy`` with
+    ``cast_grad`` and runs both of its products in FP8. Only FP8 tensors (and their
+    scales) are saved. ``add_bias=False`` leaves the bias out of this rank's output
+    (a partial sum that another rank adds it to) while still giving it its gradient."""
 
     @staticmethod
     def forward(
@@ -32,16 +40,17 @@ class _FP8Linear(torch.autograd.Function):
         bias: Tensor | None,
         qx: Quantized,
         qw: Quantized,
-        handle: ScalingHandle,
+        cast_grad: GradCaster,
         backend: Backend,
         out_dtype: torch.dtype,
+        add_bias: bool = True,
     ) -> Tensor:
-        out = _product(backend, qx, qw.t(), out_dtype, bias)
+        out = _product(backend, qx, qw.t(), out_dtype, bias if add_bias else None)
         # The weight-gradient product needs x in the other layout: keep only that copy when the cast made it.
         x_data = qx.data if qx.transposed is None else qx.transposed
         ctx.save_for_backward(x_data, qx.scale, qx.scale_inv, qw.data, qw.scale, qw.scale_inv, qw.transposed)
         ctx.x_is_transposed = qx.transposed is not None
-        ctx.handle = handle
+        ctx.cast_grad = cast_grad
         ctx.backend = backend
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out
@@ -49,13 +58,13 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x_data, x_scale, x_scale_inv, w_data, w_scale, w_scale_inv, w_transposed = ctx.saved_tensors
-        handle: ScalingHandle = ctx.handle
+        cast_grad: GradCaster = ctx.cast_grad
         backend: Backend = ctx.backend
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if need_x or need_w:
-            qg = handle.quantize(grad_out, Role.GRAD_OUTPUT, transpose=ctx.x_is_transposed)
+            qg = cast_grad(grad_out, ctx.x_is_transposed)
             if need_x:
                 qw = Quantized(w_data, scale=w_scale, scale_inv=w_scale_inv, transposed=w_transposed)
                 grad_x = _product(backend, qg, qw, x_dtype)
@@ -64,7 +73,11 @@ class _FP8Linear(torch.autograd.Function):
                 grad_w = _product(backend, qg.t(), qx.t() if ctx.x_is_transposed else qx, w_dtype)
         if need_b:
             grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _cast_grad(handle: ScalingHandle, grad_out: Tensor, transpose: bool) -> Quantized:
+    return handle.quantize(grad_out, Role.GRAD_OUTPUT, transpose=transpose)
 
 
 def _product(
@@ -107,7 +120,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
     qx = handle.quantize(x2, Role.INPUT, transpose=transpose)
     qw = quantize_weight(handle, weight, transpose=transpose)
     # torch types Function.apply as untyped; its result here is the forward's Tensor
-    out: Tensor = _FP8Linear.apply(x2, weight, bias, qx, qw, handle, backend, out_dtype)  # type: ignore[no-untyped-call]
+    cast_grad = functools.partial(_cast_grad, handle)
+    out: Tensor = _FP8Linear.apply(x2, weight, bias, qx, qw, cast_grad, backend, out_dtype)  # type: ignore[no-untyped-call]
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -237,9 +237,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
     x2 = x_local if x_local.dim() == 2 else x_local.reshape(-1, x_local.shape[-1])
     qx = caster.cast(x2, Role.INPUT, layout.x_dims, transpose)
     qw = caster.cast(w_local, Role.WEIGHT, layout.w_dims, transpose)
+    from scalestate.nn.linear import _FP8Linear  # here: scalestate.nn.linear imports this module
+
+    def cast_grad(grad_out: Tensor, transpose: bool) -> Quantized:  # with the whole gradient's scale
+        return caster.cast(grad_out, Role.GRAD_OUTPUT, layout.g_dims, transpose)
+
     # torch types Function.apply as untyped; its result here is the forward's Tensor
-    out2: Tensor = _ShardedFP8Linear.apply(  # type: ignore[no-untyped-call]
-        x2, w_local, b_local, bias_here, qx, qw, caster, layout.g_dims, out_dtype
+    out2: Tensor = _FP8Linear.apply(  # type: ignore[no-untyped-call]
+        x2, w_local, b_local, qx, qw, cast_grad, caster.backend, out_dtype, bias_here
     )
     out_local = out2 if x_local.dim() == 2 else out2.reshape(*x_local.shape[:-1], w_local.shape[0])
     shape = torch.Size((*x.shape[:-1], weight.shape[0]))
@@ -305,53 +310,3 @@ def _global_amax(x: Tensor, mesh: DeviceMesh, dims: Sequence[int]) -> Tensor:
         placements = [Partial("max") if i in dims else Replicate() for i in range(mesh.ndim)]
         reduced = DTensor.from_local(packed, mesh, placements, run_check=False).full_tensor()
         return torch.where(reduced[1] > 0, float("nan"), reduced[0]).reshape(1)
-
-
-class _ShardedFP8Linear(torch.autograd.Function):
-    """``y = x @ w.T + b`` on local shards with x and w already cast; backward casts the
-    local ``dy`` with the scale of the whole output gradient and runs both products in FP8."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        bias_here: bool,
-        qx: Quantized,
-        qw: Quantized,
-        caster: _ShardCaster,
-        g_dims: tuple[int, ...],
-        out_dtype: torch.dtype,
-    ) -> Tensor:
-        from scalestate.nn.linear import _product  # here: scalestate.nn.linear imports this module
-
-        out = _product(caster.backend, qx, qw.t(), out_dtype, bias if bias_here else None)
-        x_data = qx.data if qx.transposed is None else qx.transposed
-        ctx.save_for_backward(x_data, qx.scale, qx.scale_inv, qw.data, qw.scale, qw.scale_inv, qw.transposed)
-        ctx.x_is_transposed = qx.transposed is not None
-        ctx.caster = caster
-        ctx.g_dims = g_dims
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        from scalestate.nn.linear import _product
-
-        x_data, x_scale, x_scale_inv, w_data, w_scale, w_scale_inv, w_transposed = ctx.saved_tensors
-        caster: _ShardCaster = ctx.caster
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = grad_w = grad_b = None
-        if need_x or need_w:
-            qg = caster.cast(grad_out, Role.GRAD_OUTPUT, ctx.g_dims, ctx.x_is_transposed)
-            if need_x:
-                qw = Quantized(w_data, scale=w_scale, scale_inv=w_scale_inv, transposed=w_transposed)
-                grad_x = _product(caster.backend, qg, qw, x_dtype)
-            if need_w:
-                qx = Quantized(x_data, scale=x_scale, scale_inv=x_scale_inv)
-                grad_w = _product(caster.backend, qg.t(), qx.t() if ctx.x_is_transposed else qx, w_dtype)
-        if need_b:
-            grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
