@@ -207,38 +207,32 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _step_ops(slots: int, recipe: ss.Recipe, **kwargs) -> list[str]:
+    """The tensor ops of one step() after one recorded cast of each of ``slots`` slots."""
+    m = ss.ScalingStateManager(recipe, **kwargs)
+    handles = [m.register(f"l{i}", roles=(I,)) for i in range(slots)]
+    with m.forward():
+        for h in handles:
+            h.quantize(torch.randn(8), I)
+    with _OpCounter() as counter:
+        m.step()
+    return counter.ops
+
+
 class TestStepIsVectorized:
     @pytest.mark.parametrize("backend", ["emulation", "scaled_mm"])
     def test_fixed_op_count(self, recipe, backend):
         """step() runs the same tensor ops for 2 slots as for 300."""
-        counts = []
-        for n in (2, 300):
-            m = ss.ScalingStateManager(recipe, backend=backend)
-            handles = [m.register(f"l{i}", roles=(I,)) for i in range(n)]
-            with m.forward():
-                for h in handles:
-                    h.quantize(torch.randn(8), I)
-            with _OpCounter() as counter:
-                m.step()
-            counts.append(counter.ops)
-        assert counts[0] == counts[1]
-        assert 0 < len(counts[0]) <= 25
+        few, many = (_step_ops(n, recipe, backend=backend) for n in (2, 300))
+        assert few == many
+        assert 0 < len(few) <= 25
 
     @pytest.mark.parametrize("policy", ["raise", "fallback"])
     def test_fixed_op_count_under_each_policy(self, policy):
         """The non-finite policies keep the count fixed too ("raise" adds its one host read)."""
-        counts = []
-        for n in (2, 300):
-            m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", on_nonfinite=policy)
-            handles = [m.register(f"l{i}", roles=(I,)) for i in range(n)]
-            with m.forward():
-                for h in handles:
-                    h.quantize(torch.randn(8), I)
-            with _OpCounter() as counter:
-                m.step()
-            counts.append(counter.ops)
-        assert counts[0] == counts[1]
-        assert 0 < len(counts[0]) <= 27
+        few, many = (_step_ops(n, ss.DelayedScaling(), backend="emulation", on_nonfinite=policy) for n in (2, 300))
+        assert few == many
+        assert 0 < len(few) <= 27
 
 
 def _region_mechanisms():
