@@ -1,6 +1,6 @@
-"""The manager's ``state_dict``: plain values only, validated before use.
+"""The manager's ``state_dict``: plain values only, validated strictly before use.
 
-Keys (format version 1):
+Keys (format version 1), exactly these:
 
 ``format_version`` (int)
     1.
@@ -10,7 +10,8 @@ Keys (format version 1):
 ``iteration`` (int)
     Number of ``step()`` calls so far.
 ``slots`` (list of ``[name, role]`` string pairs)
-    One per row of the tensors below, in that order.
+    One per row of the tensors below, in that order; ``role`` is a
+    :class:`~scalestate.Role` value (``"input"``, ``"weight"``, ``"grad_output"``).
 ``amax_history`` (float32 tensor ``[N, history_len]``)
     Amax history per slot, newest last.
 ``scale`` (float32 tensor ``[N]``)
@@ -20,11 +21,40 @@ Keys (format version 1):
 
 Everything is a dict, list, str, int, bool or tensor, so
 ``torch.load(path, weights_only=True)`` loads it.
+
+:func:`validate` (what ``load_state_dict`` runs) accepts a dict only if a load
+restores it bit for bit and the manager can go on from it; anything else
+raises :class:`~scalestate.errors.StateDictError` (a ``ValueError``) naming
+the key, what was expected and what it holds, before anything is modified:
+
+* the keys are exactly those above: none missing, none extra;
+* ``format_version`` is the int 1 (not ``True``, ``1.0`` or a tensor);
+* ``recipe`` has exactly the manager's recipe fields, each equal *and of the
+  same type* (``4.0`` or ``True`` is not the int ``4`` or ``1``);
+* ``iteration`` is an int (not a bool) in ``[0, 2**63)``;
+* ``slots`` is a list (or tuple) of ``[name, role]`` pairs of strings, every
+  role a Role value, no pair twice, and the same pairs as the manager's
+  (any order: rows are matched by name and role);
+* every tensor is a dense tensor (``torch.Tensor`` or ``torch.nn.Parameter``;
+  not a subclass such as ``DTensor``, not sparse, nested or on the ``meta``
+  device) of exactly the dtype and shape above: no dtype is converted, as a
+  conversion would not restore the saved bits. Any real device, any strides
+  and ``requires_grad`` are fine (values are copied);
+* values: ``amax_history`` entries are finite and ``>= 0`` (0 marks no
+  history yet); ``scale`` entries are finite and at least the smallest normal
+  float32 (``2**-126``, the least scale a step makes; a subnormal scale has
+  no finite inverse); ``step_amax`` entries are ``>= 0``, ``+inf`` or NaN
+  (what casts record; the next ``step()`` applies the non-finite policy to
+  them, as it would have without the save).
+
+Each tensor key is one row of :data:`TENSOR_KEYS` (dtype, shape, value rule
+and where the state holds it); a new kind of per-slot tensor is one more row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -32,13 +62,79 @@ import torch
 from torch import Tensor
 
 from scalestate.errors import StateDictError
+from scalestate.math import FLOAT32_TINY
 from scalestate.recipe import Recipe, Role
 from scalestate.state import State
 
-__all__ = ["FORMAT_VERSION", "LoadedState", "recipe_to_dict", "to_state_dict", "validate"]
+__all__ = ["FORMAT_VERSION", "TENSOR_KEYS", "LoadedState", "TensorKey", "recipe_to_dict", "to_state_dict", "validate"]
 
 FORMAT_VERSION = 1
-_KEYS = ("format_version", "recipe", "iteration", "slots", "amax_history", "scale", "step_amax")
+#: Largest ``iteration`` accepted: it must fit an int64.
+_MAX_ITERATION = 2**63 - 1
+#: Tensor types taken as they are; any other subclass (DTensor, FakeTensor, ...) is refused.
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+_ROLE_VALUES = tuple(r.value for r in Role)
+
+
+@attrs.frozen
+class TensorKey:
+    """One tensor of the state dict: a row per slot, of one dtype, with a rule for its values."""
+
+    #: The state dict key.
+    name: str
+    #: The only dtype accepted (no conversion: a load is bitwise).
+    dtype: torch.dtype
+    #: The shape of one slot's row, from the recipe's ``history_len``.
+    row_shape: Callable[[int], tuple[int, ...]]
+    #: Where the manager's state holds it: ``[N, *row_shape]`` rows in use.
+    read: Callable[[State], Tensor]
+    #: A mask of the entries that break the rule.
+    invalid: Callable[[Tensor], Tensor]
+    #: The rule, as an error message states it.
+    rule: str
+
+
+def _invalid_amax(t: Tensor) -> Tensor:
+    return ~torch.isfinite(t) | (t < 0)
+
+
+def _invalid_scale(t: Tensor) -> Tensor:
+    return ~torch.isfinite(t) | (t < FLOAT32_TINY)
+
+
+def _invalid_step_amax(t: Tensor) -> Tensor:
+    return t < 0  # NaN and +inf are observations the next step() handles
+
+
+#: Every tensor of the state dict, in the order they are saved and checked.
+TENSOR_KEYS: tuple[TensorKey, ...] = (
+    TensorKey(
+        name="amax_history",
+        dtype=torch.float32,
+        row_shape=lambda history_len: (history_len,),
+        read=lambda state: state.history,
+        invalid=_invalid_amax,
+        rule="amax history entries must be finite and >= 0",
+    ),
+    TensorKey(
+        name="scale",
+        dtype=torch.float32,
+        row_shape=lambda history_len: (),
+        read=lambda state: state.scales,
+        invalid=_invalid_scale,
+        rule=f"scales must be finite and >= {FLOAT32_TINY!r} (the smallest normal float32)",
+    ),
+    TensorKey(
+        name="step_amax",
+        dtype=torch.float32,
+        row_shape=lambda history_len: (),
+        read=lambda state: state.step_amax,
+        invalid=_invalid_step_amax,
+        rule="step amaxes must be >= 0, +inf or NaN",
+    ),
+)
+
+_KEYS = ("format_version", "recipe", "iteration", "slots", *(k.name for k in TENSOR_KEYS))
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
@@ -52,84 +148,154 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
 
 def to_state_dict(state: State, recipe: Recipe) -> dict[str, Any]:
     """A copy of ``state`` as a state dict (tensors are cloned, not aliased)."""
-    return {
+    sd: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "recipe": recipe_to_dict(recipe),
         "iteration": state.iteration,
         "slots": [[s.name, s.role.value] for s in state.slots],
-        "amax_history": state.history.detach().clone(),
-        "scale": state.scales.detach().clone(),
-        "step_amax": state.step_amax.detach().clone(),
     }
+    for key in TENSOR_KEYS:
+        sd[key.name] = key.read(state).detach().clone()
+    return sd
 
 
 @attrs.frozen(eq=False)
 class LoadedState:
-    """A validated state dict, reordered to the manager's rows."""
+    """A validated state dict, reordered to the manager's rows, on its device (fresh copies)."""
 
     iteration: int
-    history: Tensor
-    scales: Tensor
-    step_amax: Tensor
+    #: One tensor per :data:`TENSOR_KEYS` name.
+    tensors: Mapping[str, Tensor]
+
+    @property
+    def history(self) -> Tensor:
+        """``amax_history``, ``[N, history_len]``."""
+        return self.tensors["amax_history"]
+
+    @property
+    def scales(self) -> Tensor:
+        """``scale``, ``[N]``."""
+        return self.tensors["scale"]
+
+    @property
+    def step_amax(self) -> Tensor:
+        """``step_amax``, ``[N]``."""
+        return self.tensors["step_amax"]
 
 
 def validate(sd: object, state: State, recipe: Recipe) -> LoadedState:
-    """Check ``sd`` against the manager; raise :class:`StateDictError` on any mismatch.
+    """Check ``sd`` against the manager; raise :class:`StateDictError` on any defect.
 
-    Nothing is modified here: the result is applied only if every check passed.
+    Nothing is modified here: the result is applied only if every check
+    passed. The rules are in this module's docstring.
     """
     if not isinstance(sd, Mapping):
         raise StateDictError(f"expected a dict from ScalingStateManager.state_dict(); got {type(sd).__name__}")
-    missing = [k for k in _KEYS if k not in sd]
-    if missing:
-        raise StateDictError(f"state dict lacks key(s) {missing}; it was not made by ScalingStateManager.state_dict()")
-    if sd["format_version"] != FORMAT_VERSION:
-        raise StateDictError(
-            f"state dict has format_version {sd['format_version']!r}; this scalestate reads {FORMAT_VERSION}"
-        )
-    expected_recipe = recipe_to_dict(recipe)
-    if sd["recipe"] != expected_recipe:
-        got = sd["recipe"] if isinstance(sd["recipe"], Mapping) else {}
-        diff = sorted(k for k in set(expected_recipe) | set(got) if got.get(k) != expected_recipe.get(k))
-        raise StateDictError(
-            f"recipe differs in {diff}: saved {dict(got)}, this manager has {expected_recipe}. "
-            "Build the manager with the saved recipe to resume"
-        )
-    iteration = sd["iteration"]
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-        raise StateDictError(f"iteration must be an int >= 0; got {iteration!r}")
-    order = _row_order(sd["slots"], state)
-    n, h = len(state), state.history_len
-    history = _tensor(sd, "amax_history", (n, h))
-    scales = _tensor(sd, "scale", (n,))
-    step_amax = _tensor(sd, "step_amax", (n,))
-    if not bool(torch.isfinite(history).all()) or bool((history < 0).any()):
-        raise StateDictError("amax_history holds negative or non-finite values; the state is corrupt")
-    if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
-        raise StateDictError("scale holds zero, negative or non-finite values; the state is corrupt")
-    if bool(torch.isnan(step_amax).any()) or bool((step_amax < 0).any()):
-        raise StateDictError("step_amax holds negative or NaN values; the state is corrupt")
+    values = _read_keys(sd)
+    _check_version(values["format_version"])
+    _check_recipe(values["recipe"], recipe_to_dict(recipe))
+    iteration = _check_iteration(values["iteration"])
+    saved = _slot_pairs(values["slots"])
+    order = _row_order(saved, state)
     index = torch.tensor(order, dtype=torch.long)
-    return LoadedState(
-        iteration=iteration,
-        history=history[index].to(state.device),
-        scales=scales[index].to(state.device),
-        step_amax=step_amax[index].to(state.device),
+    n = len(state)
+    tensors = {}
+    for key in TENSOR_KEYS:
+        value = _tensor(key, values[key.name], (n, *key.row_shape(state.history_len)), saved)
+        tensors[key.name] = value[index.to(value.device)].to(state.device)
+    return LoadedState(iteration=iteration, tensors=MappingProxyType(tensors))
+
+
+def _read_keys(sd: Mapping[Any, Any]) -> dict[str, Any]:
+    """Every key's value, read once; exactly the keys of :data:`_KEYS`."""
+    present = list(sd)
+    named = {k for k in present if isinstance(k, str)}
+    missing = [k for k in _KEYS if k not in named]
+    if missing:
+        raise StateDictError(
+            f"state dict lacks key(s) {missing}; it was not made by ScalingStateManager.state_dict() "
+            f"(which makes exactly {list(_KEYS)})"
+        )
+    extra = sorted((k for k in present if not (isinstance(k, str) and k in _KEYS)), key=repr)
+    if extra:
+        raise StateDictError(
+            f"state dict has unexpected key(s) {extra}; ScalingStateManager.state_dict() makes exactly "
+            f"{list(_KEYS)}. Pass the manager only its own part of a checkpoint"
+        )
+    return {k: sd[k] for k in _KEYS}
+
+
+def _type_name(value: object) -> str:
+    return type(value).__qualname__
+
+
+def _check_version(version: object) -> None:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise StateDictError(
+            f"format_version must be the int {FORMAT_VERSION}; got {version!r} ({_type_name(version)})"
+        )
+    if version != FORMAT_VERSION:
+        raise StateDictError(f"state dict has format_version {version!r}; this scalestate reads {FORMAT_VERSION}")
+
+
+def _check_recipe(got: object, expected: dict[str, Any]) -> None:
+    if not isinstance(got, Mapping):
+        raise StateDictError(
+            f"recipe must be a dict of the recipe's fields; got {got!r} ({_type_name(got)}); "
+            f"this manager has {expected}"
+        )
+    saved = {k: got[k] for k in got}
+    diff = sorted(
+        (k for k in {*expected, *saved} if k not in expected or k not in saved or not _same(saved[k], expected[k])),
+        key=repr,
     )
+    if diff:
+        raise StateDictError(
+            f"recipe differs in {diff}: saved {saved}, this manager has {expected} "
+            "(field values must match in type too). Build the manager with the saved recipe to resume"
+        )
 
 
-def _row_order(saved: object, state: State) -> list[int]:
-    """For each of the manager's rows, the row of the saved tensors that holds it."""
+def _same(got: object, expected: object) -> bool:
+    """Equal and of the same type: ``True`` is not ``1``, ``4.0`` is not ``4``."""
+    return type(got) is type(expected) and bool(got == expected)
+
+
+def _check_iteration(iteration: object) -> int:
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or not 0 <= iteration <= _MAX_ITERATION:
+        raise StateDictError(f"iteration must be an int in [0, 2**63); got {iteration!r} ({_type_name(iteration)})")
+    return int(iteration)  # a plain int, even from an int subclass
+
+
+def _slot_pairs(saved: object) -> list[tuple[str, str]]:
+    """The saved ``[name, role]`` pairs, each checked: strings, a known role, none twice."""
     if not isinstance(saved, (list, tuple)):
-        raise StateDictError(f"slots must be a list of [name, role] pairs; got {type(saved).__name__}")
-    position: dict[tuple[str, str], int] = {}
+        raise StateDictError(f"slots must be a list of [name, role] pairs; got {_type_name(saved)}")
+    pairs: list[tuple[str, str]] = []
+    first: dict[tuple[str, str], int] = {}
     for i, pair in enumerate(saved):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(isinstance(p, str) for p in pair):
             raise StateDictError(f"slots[{i}] must be a [name, role] pair of strings; got {pair!r}")
-        key = (pair[0], pair[1])
-        if key in position:
-            raise StateDictError(f"slot {key[0]!r} role {key[1]!r} appears twice in the state dict")
-        position[key] = i
+        name, role = str(pair[0]), str(pair[1])
+        if role not in _ROLE_VALUES:
+            hint = next((f" (Role.{r.name} is saved as {r.value!r})" for r in Role if r.name == role.upper()), "")
+            raise StateDictError(
+                f"slots[{i}] = {[name, role]!r} has role {role!r}, which is no Role value; "
+                f"expected one of {list(_ROLE_VALUES)}{hint}"
+            )
+        key = (name, role)
+        if key in first:
+            raise StateDictError(
+                f"slots[{i}]: slot {name!r} role {role!r} appears twice in the state dict (also slots[{first[key]}])"
+            )
+        first[key] = i
+        pairs.append(key)
+    return pairs
+
+
+def _row_order(saved: Sequence[tuple[str, str]], state: State) -> list[int]:
+    """For each of the manager's rows, the row of the saved tensors that holds it."""
+    position = {pair: i for i, pair in enumerate(saved)}
     ours = [(s.name, s.role.value) for s in state.slots]
     missing = sorted(set(ours) - set(position))
     unexpected = sorted(set(position) - set(ours))
@@ -142,25 +308,43 @@ def _row_order(saved: object, state: State) -> list[int]:
     return [position[k] for k in ours]
 
 
-def _role_name(value: str) -> str:
-    try:
-        return Role(value).name
-    except ValueError:
-        return value
-
-
 def _fmt(pairs: list[tuple[str, str]], limit: int = 6) -> str:
-    shown = ", ".join(f"{n}:{_role_name(r)}" for n, r in pairs[:limit])
+    """``[name:ROLE, ...]``; every role here is a valid Role value (checked by :func:`_slot_pairs`)."""
+    shown = ", ".join(f"{n}:{Role(r).name}" for n, r in pairs[:limit])
     more = f" and {len(pairs) - limit} more" if len(pairs) > limit else ""
     return f"[{shown}{more}]"
 
 
-def _tensor(sd: Mapping[str, Any], key: str, shape: tuple[int, ...]) -> Tensor:
-    value = sd[key]
+def _tensor(key: TensorKey, value: object, shape: tuple[int, ...], saved: Sequence[tuple[str, str]]) -> Tensor:
+    """``value`` detached, after checking its type, layout, device, dtype, shape and values."""
+    name = key.name
     if not isinstance(value, Tensor):
-        raise StateDictError(f"{key} must be a tensor; got {type(value).__name__}")
+        raise StateDictError(f"{name} must be a {key.dtype} tensor of shape {shape}; got {_type_name(value)}")
+    if type(value) not in _PLAIN_TENSOR_TYPES:
+        raise StateDictError(
+            f"{name} must be a plain torch.Tensor; got a {_type_name(value)} (a tensor subclass). "
+            "Save plain tensors (for a DTensor: .full_tensor())"
+        )
+    if value.is_nested or value.layout is not torch.strided:
+        kind = "nested" if value.is_nested else str(value.layout)
+        raise StateDictError(f"{name} must be a dense (torch.strided) tensor; got a {kind} one. Use .to_dense()")
+    if value.device.type == "meta":
+        raise StateDictError(f"{name} is on the meta device: it has no values to load")
+    if value.dtype != key.dtype:
+        raise StateDictError(
+            f"{name} must be a {key.dtype} tensor, as state_dict() saves it; got {value.dtype} "
+            "(not converted: a conversion would not restore the saved values bit for bit)"
+        )
     if tuple(value.shape) != shape:
-        raise StateDictError(f"{key} has shape {tuple(value.shape)}; this manager expects {shape}")
-    if not value.is_floating_point():
-        raise StateDictError(f"{key} must be a floating-point tensor; got {value.dtype}")
-    return value.detach().to(torch.float32)
+        raise StateDictError(f"{name} has shape {tuple(value.shape)}; this manager expects {shape}")
+    value = value.detach()
+    bad = key.invalid(value).nonzero()
+    if len(bad):
+        at = tuple(int(i) for i in bad[0])
+        slot = f" (slot {saved[at[0]][0]!r} role {saved[at[0]][1]!r})" if at and at[0] < len(saved) else ""
+        where = ", ".join(map(str, at))
+        raise StateDictError(
+            f"{name}[{where}]{slot} is {value[at].item()!r}, and {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} "
+            f"in all break the rule: {key.rule}; the state is corrupt"
+        )
+    return value

@@ -1,16 +1,31 @@
-"""scalestate.persist: state_dict round trips and validation."""
+"""scalestate.persist: state_dict round trips and strict validation (invariant 12)."""
 
 from __future__ import annotations
 
+import collections
 import io
+import math
+import re
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import scalestate as ss
 from scalestate.errors import PhaseError, StateDictError
+from scalestate.persist import TENSOR_KEYS
 
 I, G = ss.Role.INPUT, ss.Role.GRAD_OUTPUT
+F32_MAX = torch.finfo(torch.float32).max
+TINY = torch.finfo(torch.float32).tiny  # 2**-126, the smallest normal float32
+SUBNORMAL = 1e-40
+NAN, INF = math.nan, math.inf
+TENSOR_NAMES = tuple(k.name for k in TENSOR_KEYS)
+KEYS = ("format_version", "recipe", "iteration", "slots", *TENSOR_NAMES)
 
 
 def _trained(recipe=None, backend="emulation", steps=3):
@@ -27,21 +42,49 @@ def _trained(recipe=None, backend="emulation", steps=3):
     return m, (layer, other)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits (so -0.0 differs from 0.0 and NaN payloads count)."""
+    if t.is_floating_point():
+        return t.detach().contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.detach()
+
+
+def assert_same_state(a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
+    """Two state dicts hold the same values bit for bit (tensors: dtype, shape and every bit)."""
+    assert list(a) == list(b)
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor), key
+            assert x.dtype == y.dtype and x.shape == y.shape, key
+            assert torch.equal(_bits(x), _bits(y)), key
+        else:
+            assert x == y and type(x) is type(y), key
+
+
+def _refused(target: ss.ScalingStateManager, sd: object, match: str | None = None) -> StateDictError:
+    """Loading ``sd`` raises StateDictError (matching ``match``) and leaves ``target`` bitwise unchanged."""
+    before = target.state_dict()
+    with pytest.raises(StateDictError, match=match) as info:
+        target.load_state_dict(sd)  # type: ignore[arg-type]
+    assert isinstance(info.value, ValueError)
+    assert_same_state(target.state_dict(), before)
+    return info.value
+
+
 class TestRoundTrip:
     def test_keys_and_plain_values(self, recipe, backend):
         """Every key documented in scalestate.persist, and weights_only loading works."""
         m, _ = _trained(recipe, backend)
         sd = m.state_dict()
-        assert set(sd) == {"format_version", "recipe", "iteration", "slots", "amax_history", "scale", "step_amax"}
+        assert tuple(sd) == KEYS
         buf = io.BytesIO()
         torch.save(sd, buf)
         buf.seek(0)
         loaded = torch.load(buf, weights_only=True)
         fresh, _ = _trained(recipe, backend, steps=0)
         fresh.load_state_dict(loaded)
-        again = fresh.state_dict()
-        for key in ("amax_history", "scale", "step_amax"):
-            assert torch.equal(again[key], sd[key])
+        assert_same_state(fresh.state_dict(), sd)
         assert fresh.iteration == 3
 
     def test_state_dict_is_a_copy(self):
@@ -63,18 +106,43 @@ class TestRoundTrip:
         other.load_state_dict(sd)
         assert torch.equal(other.handles["fc"].amax_history(I), m.handles["fc"].amax_history(I))
 
+    def test_edge_values_load_bitwise(self):
+        """Every value at the edge of the rules loads bit for bit: 0 and -0.0, subnormal amaxes,
+        the extreme scales, +inf and NaN (with its payload) as step amaxes, the largest iteration."""
+        m = ss.ScalingStateManager(ss.DelayedScaling(history_len=2), backend="emulation")
+        m.register("a")
+        sd = m.state_dict()
+        sd["iteration"] = 2**63 - 1
+        sd["amax_history"] = torch.tensor([[0.0, -0.0], [SUBNORMAL, F32_MAX], [TINY, 448.0]])
+        sd["scale"] = torch.tensor([TINY, F32_MAX, 1.0])
+        step_amax = torch.tensor([INF, -0.0, 0.0])
+        step_amax.view(torch.int32)[2] = 0x7FC00123  # a NaN with a payload
+        sd["step_amax"] = step_amax
+        m.load_state_dict(sd)
+        assert_same_state(m.state_dict(), sd)
+
+    def test_lenient_containers_load(self):
+        """Tuples for lists, other mappings, Parameters, non-contiguous and grad-requiring tensors load."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        history = torch.zeros(4, sd["amax_history"].shape[0]).t()  # non-contiguous
+        history.copy_(sd["amax_history"])
+        assert not history.is_contiguous()
+        odd = dict(sd)
+        odd["amax_history"] = history
+        odd["scale"] = torch.nn.Parameter(sd["scale"].clone())
+        odd["step_amax"] = sd["step_amax"].clone().requires_grad_(True)
+        odd["slots"] = tuple(tuple(p) for p in sd["slots"])
+        target, _ = _trained(steps=1)
+        target.load_state_dict(MappingProxyType(odd))
+        assert_same_state(target.state_dict(), sd)
+
 
 class TestValidation:
-    def _check_untouched(self, m, before):
-        after = m.state_dict()
-        for key in ("amax_history", "scale", "step_amax"):
-            assert torch.equal(after[key], before[key])
-        assert after["iteration"] == before["iteration"]
-
     @pytest.mark.parametrize(
         ("mutate", "match"),
         [
-            (lambda sd: sd.pop("scale"), "lacks key"),
+            (lambda sd: sd.pop("scale"), r"lacks key\(s\) \['scale'\]"),
             (lambda sd: sd.update(format_version=99), "format_version"),
             (lambda sd: sd["recipe"].update(history_len=8), r"recipe differs in \['history_len'\]"),
             (lambda sd: sd.update(iteration=-1), "iteration"),
@@ -82,11 +150,11 @@ class TestValidation:
             (lambda sd: sd["slots"].append(["new", "input"]), "not registered here"),
             (lambda sd: sd["slots"].__setitem__(0, "fc"), r"slots\[0\]"),
             (lambda sd: sd.update(scale=sd["scale"][:-1]), "shape"),
-            (lambda sd: sd.update(scale=sd["scale"].long()), "floating-point"),
+            (lambda sd: sd.update(scale=sd["scale"].long()), r"scale must be a torch.float32 tensor.*got torch.int64"),
             (lambda sd: sd["scale"].__setitem__(0, float("nan")), "corrupt"),
             (lambda sd: sd["scale"].__setitem__(0, 0.0), "corrupt"),
             (lambda sd: sd["amax_history"].__setitem__((0, 0), -1.0), "corrupt"),
-            (lambda sd: sd.update(amax_history=[1, 2]), "must be a tensor"),
+            (lambda sd: sd.update(amax_history=[1, 2]), "amax_history must be a torch.float32 tensor.*got list"),
         ],
     )
     def test_bad_state_raises_before_modifying(self, mutate, match):
@@ -95,10 +163,7 @@ class TestValidation:
         sd = m.state_dict()
         mutate(sd)
         target, _ = _trained(steps=1)
-        before = target.state_dict()
-        with pytest.raises(StateDictError, match=match):
-            target.load_state_dict(sd)
-        self._check_untouched(target, before)
+        _refused(target, sd, match)
 
     def test_not_a_dict(self):
         """A non-mapping is refused."""
@@ -121,3 +186,537 @@ class TestValidation:
         sd = m.state_dict()
         with m.forward(), pytest.raises(PhaseError, match=r"inside `with manager\.forward\(\)`"):
             m.load_state_dict(sd)
+
+
+class TestStrictKeys:
+    @pytest.mark.parametrize("extra", ["nonfinite", "Scale", 7, ("scale",)])
+    def test_unknown_key(self, extra):
+        """A key state_dict() does not make is refused by name, not ignored."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd[extra] = 0
+        _refused(m, sd, re.escape(f"unexpected key(s) [{extra!r}]"))
+
+    def test_missing_key_lists_what_is_expected(self):
+        """A missing key is named along with the full list of keys."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        del sd["iteration"]
+        err = _refused(m, sd, r"lacks key\(s\) \['iteration'\]")
+        assert all(k in str(err) for k in KEYS)
+
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int32, torch.int64, torch.bool, torch.complex64]  # fmt: skip
+
+
+class TestStrictDtypes:
+    @pytest.mark.parametrize(
+        ("key", "dtype"), [(k.name, d) for k in TENSOR_KEYS for d in DTYPES if d != k.dtype], ids=str
+    )
+    def test_other_dtype_refused(self, key, dtype):
+        """No dtype is converted: a float8 scale would load rounded, a float64 one would not be the saved bits."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        expected = sd[key].dtype
+        sd[key] = sd[key].to(dtype)
+        _refused(m, sd, rf"{key} must be a {expected} tensor.*got {dtype}")
+
+    def test_float8_would_round_scales(self):
+        """The case that motivated the rule: a float8 round trip changes the scale, so it is refused."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        rounded = sd["scale"].to(torch.float8_e4m3fn)
+        assert not torch.equal(rounded.float(), sd["scale"])
+        sd["scale"] = rounded
+        _refused(m, sd, "float8_e4m3fn")
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass, as DTensor or a fake tensor would be."""
+
+
+class TestTensorKinds:
+    @pytest.mark.parametrize("key", TENSOR_NAMES)
+    def test_meta(self, key):
+        """A meta tensor has no values: refused by name rather than failing deep inside."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd[key] = sd[key].to("meta")
+        _refused(m, sd, rf"{key} is on the meta device")
+
+    @pytest.mark.parametrize("key", TENSOR_NAMES)
+    def test_sparse_coo(self, key):
+        """A sparse tensor is refused with its layout named."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd[key] = sd[key].to_sparse()
+        _refused(m, sd, rf"{key} must be a dense \(torch.strided\) tensor; got a torch.sparse_coo one")
+
+    @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+    def test_sparse_csr_and_mkldnn(self):
+        """Other layouts too."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        _refused(m, {**sd, "amax_history": sd["amax_history"].to_sparse_csr()}, "torch.sparse_csr")
+        _refused(m, {**sd, "scale": sd["scale"].to_mkldnn()}, "torch._mkldnn")
+
+    @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+    def test_nested(self):
+        """A nested tensor is refused."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        _refused(m, {**sd, "scale": torch.nested.nested_tensor([sd["scale"]])}, "got a nested one")
+
+    @pytest.mark.parametrize("key", TENSOR_NAMES)
+    def test_subclass(self, key):
+        """Tensor subclasses (DTensor, fake tensors) are refused: only plain tensors and Parameters load."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd[key] = sd[key].as_subclass(_Sub)
+        _refused(m, sd, rf"{key} must be a plain torch.Tensor; got a _Sub")
+
+    @pytest.mark.parametrize("value", [None, 1.0, [1.0, 2.0], (1.0,)])
+    def test_not_a_tensor(self, value):
+        """Lists and numbers are not tensors."""
+        m, _ = _trained()
+        _refused(m, {**m.state_dict(), "scale": value}, r"scale must be a torch.float32 tensor of shape \(6,\)")
+
+    @pytest.mark.parametrize(
+        ("key", "reshape"),
+        [
+            ("amax_history", lambda t: t.t()),
+            ("amax_history", lambda t: t[:, :-1]),
+            ("amax_history", lambda t: t.flatten()),
+            ("scale", lambda t: t.unsqueeze(0)),
+            ("scale", lambda t: t.reshape(2, 3)),
+            ("step_amax", lambda t: torch.cat([t, t[:1]])),
+            ("step_amax", lambda t: t[0]),
+        ],
+    )
+    def test_shape(self, key, reshape):
+        """The shape is exactly [N] or [N, history_len]."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd[key] = reshape(sd[key])
+        _refused(m, sd, rf"{key} has shape .*; this manager expects")
+
+
+class TestStrictValues:
+    @pytest.mark.parametrize(
+        ("key", "value"),
+        [
+            ("scale", SUBNORMAL),
+            ("scale", TINY / 2),
+            ("scale", 1e-45),
+            ("scale", 0.0),
+            ("scale", -0.0),
+            ("scale", -1.0),
+            ("scale", NAN),
+            ("scale", INF),
+            ("scale", -INF),
+            ("amax_history", NAN),
+            ("amax_history", INF),
+            ("amax_history", -INF),
+            ("amax_history", -1.0),
+            ("amax_history", -SUBNORMAL),
+            ("step_amax", -1.0),
+            ("step_amax", -INF),
+            ("step_amax", -1e-45),
+        ],
+    )
+    def test_bad_value(self, key, value):
+        """A value outside the rule is refused, naming the entry, its slot and the rule."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd[key][3] = value
+        err = _refused(m, sd, rf"{key}\[3(, 0)?\] \(slot 'out' role 'input'\) is ")
+        assert "corrupt" in str(err)
+
+    def test_subnormal_scale_motivation(self):
+        """A subnormal scale has an infinite inverse: the outputs would be NaN. Refused, not loaded."""
+        assert torch.tensor(SUBNORMAL).reciprocal().isinf()
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd["scale"][0] = SUBNORMAL
+        _refused(m, sd, r"scales must be finite and >= 1.1754943508222875e-38")
+
+    def test_count_of_bad_entries(self):
+        """The message counts every bad entry, not only the first."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd["amax_history"][1:3] = NAN
+        _refused(m, sd, r"and 8 entries in all break the rule")
+
+
+class TestStrictScalars:
+    @pytest.mark.parametrize("value", [True, 1.0, "1", None, [1], torch.tensor(1), torch.tensor(1, device="meta")])
+    def test_format_version_not_an_int(self, value):
+        """format_version is the int 1: not a bool (True == 1 in Python), a float or a tensor."""
+        m, _ = _trained()
+        _refused(m, {**m.state_dict(), "format_version": value}, "format_version must be the int 1")
+
+    @pytest.mark.parametrize(
+        "value",
+        [-1, 2**63, 2**70, True, False, 3.0, "3", None, torch.tensor(3), torch.tensor(3, device="meta")],
+    )
+    def test_iteration(self, value):
+        """iteration is an int in [0, 2**63)."""
+        m, _ = _trained()
+        _refused(m, {**m.state_dict(), "iteration": value}, r"iteration must be an int in \[0, 2\*\*63\)")
+
+
+class TestStrictRecipe:
+    @pytest.mark.parametrize(
+        ("mutate", "fields"),
+        [
+            (lambda r: r.update(history_len=4.0), "'history_len'"),
+            (lambda r: r.update(margin=False), "'margin'"),
+            (lambda r: r.update(power_of_2=0), "'power_of_2'"),
+            (lambda r: r.update(format=ss.Format.HYBRID), "'format'"),
+            (lambda r: r.update(kind="CurrentScaling"), "'kind'"),
+            (lambda r: r.update(extra=1), "'extra'"),
+            (lambda r: r.pop("amax_compute"), "'amax_compute'"),
+            (lambda r: r.update({3: "x"}), "3"),
+            (lambda r: r.update(history_len=torch.tensor(4, device="meta")), "'history_len'"),
+        ],
+    )
+    def test_field_differs(self, mutate, fields):
+        """Fields equal in value but not in type, extra or missing fields all count as a different recipe."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        mutate(sd["recipe"])
+        _refused(m, sd, rf"recipe differs in \[{fields}\]")
+
+    @pytest.mark.parametrize("value", [None, "DelayedScaling", [("kind", "DelayedScaling")]])
+    def test_not_a_dict(self, value):
+        """recipe is a dict."""
+        m, _ = _trained()
+        _refused(m, {**m.state_dict(), "recipe": value}, "recipe must be a dict")
+
+
+class TestStrictSlots:
+    def test_unknown_role_is_told_apart(self):
+        """A role saved by its enum name is not the role value: the message shows both apart."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd["slots"][3] = ["out", "INPUT"]
+        err = _refused(m, sd, r"slots\[3\] = \['out', 'INPUT'\] has role 'INPUT', which is no Role value")
+        assert "['input', 'weight', 'grad_output']" in str(err)
+        assert "Role.INPUT is saved as 'input'" in str(err)
+
+    @pytest.mark.parametrize("role", ["bias", "", "Input", "input "])
+    def test_unknown_roles(self, role):
+        """Any string that is not a Role value is refused."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd["slots"][0][1] = role
+        _refused(m, sd, rf"slots\[0\] = .* has role {role!r}")
+
+    def test_duplicate(self):
+        """A pair saved twice is named with both positions."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd["slots"][4] = sd["slots"][1]
+        _refused(m, sd, r"slots\[4\]: slot 'fc' role 'weight' appears twice in the state dict \(also slots\[1\]\)")
+
+    @pytest.mark.parametrize(
+        "slots",
+        ["fc:input", {"fc": "input"}, None, torch.zeros(2)],
+    )
+    def test_not_a_list(self, slots):
+        """slots is a list of pairs."""
+        m, _ = _trained()
+        _refused(m, {**m.state_dict(), "slots": slots}, "slots must be a list of")
+
+    @pytest.mark.parametrize("pair", [["fc"], ["fc", "input", "x"], ["fc", 1], [b"fc", "input"], "fc", None])
+    def test_malformed_pair(self, pair):
+        """Each entry is a [name, role] pair of strings."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd["slots"][2] = pair
+        _refused(m, sd, r"slots\[2\] must be a \[name, role\] pair of strings")
+
+    def test_mismatch_names_roles(self):
+        """Slots registered here but not saved, and saved but not registered, are listed by name:ROLE."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        sd["slots"][0] = ["fc2", "input"]
+        _refused(m, sd, r"missing from the state dict \[fc:INPUT\]; not registered here \[fc2:INPUT\]")
+
+
+# ----------------------------------------------------------------------------- fuzz
+#: Valid values per tensor key (float32 values exactly; a new TENSOR_KEYS row needs an entry here).
+_AMAX = st.floats(min_value=0.0, max_value=F32_MAX, width=32) | st.sampled_from([0.0, -0.0, 1e-45, TINY, F32_MAX])
+VALID_VALUES = {
+    "amax_history": _AMAX,
+    "scale": st.floats(min_value=TINY, max_value=F32_MAX, width=32) | st.sampled_from([TINY, 1.0, F32_MAX]),
+    "step_amax": _AMAX | st.sampled_from([INF, NAN]),
+}
+#: Values each tensor key refuses.
+BAD_VALUES = {
+    "amax_history": [NAN, INF, -INF, -1.0, -1e-45, -F32_MAX],
+    "scale": [NAN, INF, -INF, 0.0, -0.0, -1.0, SUBNORMAL, 1e-45, TINY / 2],
+    "step_amax": [-INF, -1.0, -1e-45],
+}
+_NAN_BITS = [0x7FC00123, -0x400000, 0x7F800001]  # NaNs with a payload, a sign, a signalling bit
+
+RECIPES = st.one_of(
+    st.builds(
+        ss.DelayedScaling,
+        history_len=st.integers(1, 4),
+        amax_compute=st.sampled_from(["max", "most_recent"]),
+        margin=st.integers(0, 3),
+        format=st.sampled_from(list(ss.Format)),
+        power_of_2=st.booleans(),
+    ),
+    st.builds(ss.CurrentScaling, format=st.sampled_from(list(ss.Format)), power_of_2=st.booleans()),
+)
+LAYOUTS = st.lists(
+    st.tuples(
+        st.sampled_from(["a", "b.c", "fc", "x.0"]), st.lists(st.sampled_from(list(ss.Role)), min_size=1, unique=True)
+    ),
+    max_size=3,
+    unique_by=lambda t: t[0],
+)
+
+
+class _ReadOnly(Mapping[str, Any]):
+    """A mapping that is not a dict."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def _valid_values(draw: st.DrawFn, template: Mapping[str, Any]) -> dict[str, Any]:
+    """A valid state dict shaped like ``template``, with random values on every key."""
+    missing = set(TENSOR_NAMES) - set(VALID_VALUES)
+    assert not missing, f"add value strategies for the new tensor key(s) {missing} to VALID_VALUES and BAD_VALUES"
+    sd = dict(template)
+    sd["recipe"] = dict(template["recipe"])
+    sd["slots"] = [list(p) for p in template["slots"]]
+    sd["iteration"] = draw(st.integers(0, 2**63 - 1) | st.sampled_from([0, 1, 2**63 - 1]))
+    for key in TENSOR_KEYS:
+        t = template[key.name]
+        values = draw(st.lists(VALID_VALUES[key.name], min_size=t.numel(), max_size=t.numel()))
+        new = torch.tensor(values, dtype=key.dtype).reshape(t.shape)
+        if key.name == "step_amax" and new.numel() and draw(st.booleans()):
+            new.view(torch.int32)[draw(st.integers(0, new.numel() - 1))] = draw(st.sampled_from(_NAN_BITS))
+        sd[key.name] = new
+    return sd
+
+
+def _benign(draw: st.DrawFn, sd: dict[str, Any]) -> dict[str, Any]:
+    """Changes that keep ``sd`` valid and its values bit for bit."""
+    n = len(sd["slots"])
+    perm = draw(st.permutations(range(n)))
+    index = torch.tensor(perm, dtype=torch.long)
+    sd["slots"] = [sd["slots"][i] for i in perm]
+    for name in TENSOR_NAMES:
+        sd[name] = sd[name][index]
+    for name in TENSOR_NAMES:
+        how = draw(st.sampled_from(["as is", "strided", "parameter", "grad", "inference"]))
+        event(f"benign tensor: {how}")
+        t = sd[name]
+        if how == "strided":
+            wide = torch.zeros(*t.shape, 3, dtype=t.dtype)
+            wide[..., 1] = t
+            sd[name] = wide[..., 1]
+        elif how == "parameter":
+            sd[name] = torch.nn.Parameter(t.clone(), requires_grad=draw(st.booleans()))
+        elif how == "grad":
+            sd[name] = t.clone().requires_grad_(True)
+        elif how == "inference":
+            with torch.inference_mode():
+                sd[name] = t.clone()
+    if draw(st.booleans()):
+        sd["slots"] = draw(st.sampled_from([tuple, list]))(tuple(p) for p in sd["slots"])
+    if draw(st.booleans()):
+        sd["recipe"] = dict(reversed(list(sd["recipe"].items())))
+    if draw(st.booleans()):
+        sd = dict(reversed(list(sd.items())))
+    if draw(st.booleans()):
+        event("benign: torch.save / torch.load(weights_only=True)")
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+        buf.seek(0)
+        sd = torch.load(buf, weights_only=True)
+    return sd
+
+
+# Each breaker breaks one key that is not broken yet (``broken``) and returns the name
+# the error must mention, or None where it does not apply.
+def _retype_scalar(draw: st.DrawFn, sd: dict[str, Any], broken: list[str]) -> str | None:
+    keys = [k for k in ("format_version", "iteration") if k not in broken]
+    if not keys:
+        return None
+    key = draw(st.sampled_from(keys))
+    bad = {
+        "format_version": [0, 2, -1, True, False, 1.0, "1", None, [1], torch.tensor(1), torch.tensor(1, device="meta")],
+        "iteration": [-1, -(2**63), 2**63, 2**64, True, False, 1.5, "3", None, torch.tensor(3)],
+    }[key]
+    sd[key] = draw(st.sampled_from(bad))
+    return key
+
+
+def _drop_or_add_key(draw: st.DrawFn, sd: dict[str, Any], broken: list[str]) -> str | None:
+    intact = [k for k in KEYS if k not in broken]
+    if intact and draw(st.booleans()):
+        key = draw(st.sampled_from(intact))
+        del sd[key]
+        return key
+    key = draw(st.sampled_from(["nonfinite_counts", "Scale", "extra", "scale "]) | st.integers(-3, 3))
+    sd[key] = draw(st.sampled_from([0, None, torch.zeros(2)]))
+    return repr(key)
+
+
+def _break_recipe(draw: st.DrawFn, sd: dict[str, Any], broken: list[str]) -> str | None:
+    if "recipe" in broken:
+        return None
+    recipe = dict(sd["recipe"])
+    how = draw(st.sampled_from(["not a dict", "drop", "add", "retype", "other value"]))
+    field = draw(st.sampled_from(sorted(recipe)))
+    if how == "not a dict":
+        sd["recipe"] = draw(st.sampled_from([None, "DelayedScaling", list(recipe.items())]))
+        return "recipe"
+    if how == "drop":
+        del recipe[field]
+    elif how == "add":
+        recipe[draw(st.sampled_from(["extra", "History_len", "granularity"]))] = 1
+    elif how == "retype":
+        value = recipe[field]
+        recipe[field] = (
+            int(value) if isinstance(value, bool) else float(value) if isinstance(value, int) else value.encode()
+        )
+    else:
+        value = recipe[field]
+        recipe[field] = (not value) if isinstance(value, bool) else value + 1 if isinstance(value, int) else value + "x"
+    sd["recipe"] = recipe
+    return "recipe"
+
+
+def _break_slots(draw: st.DrawFn, sd: dict[str, Any], broken: list[str]) -> str | None:
+    if "slots" in broken:
+        return None
+    slots = [list(p) for p in sd["slots"]]
+    n = len(slots)
+    how = draw(st.sampled_from(["not a list", "malformed", "role", "duplicate", "rename", "append", "drop"]))
+    if how == "not a list":
+        sd["slots"] = draw(st.sampled_from(["fc:input", None, {"fc": "input"}, torch.zeros(2)]))
+        return "slots"
+    if how == "append":
+        slots.append(["never.registered", draw(st.sampled_from([r.value for r in ss.Role]))])
+    elif n == 0:
+        return None
+    elif how == "malformed":
+        slots[draw(st.integers(0, n - 1))] = draw(st.sampled_from([["a"], ["a", "input", "x"], ["a", 1], "a", None]))
+    elif how == "role":
+        slots[draw(st.integers(0, n - 1))][1] = draw(st.sampled_from(["INPUT", "Weight", "bias", "", "input "]))
+    elif how == "duplicate":
+        if n < 2:
+            return None
+        i, j = draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
+        slots[j] = list(slots[i])
+    elif how == "rename":
+        slots[draw(st.integers(0, n - 1))][0] += "_"
+    else:
+        slots.pop(draw(st.integers(0, n - 1)))
+    sd["slots"] = slots
+    return "slots"
+
+
+def _break_tensor(draw: st.DrawFn, sd: dict[str, Any], broken: list[str]) -> str | None:
+    keys = [k for k in TENSOR_NAMES if k not in broken]
+    if not keys:
+        return None
+    key = draw(st.sampled_from(keys))
+    t = sd[key].detach()
+    how = draw(st.sampled_from(["dtype", "shape", "not a tensor", "meta", "sparse", "subclass", "value", "value"]))
+    event(f"breaking tensor: {how}")
+    if how == "dtype":
+        dtypes = [torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+                  torch.int32, torch.int64, torch.bool, torch.complex64]  # fmt: skip
+        sd[key] = t.to(draw(st.sampled_from([d for d in dtypes if d != t.dtype])))
+    elif how == "shape":
+        shapes = [t.unsqueeze(0), t.unsqueeze(-1), torch.cat([t, torch.zeros(1, *t.shape[1:], dtype=t.dtype)])]
+        if t.shape[0]:
+            shapes.append(t[:-1])
+        if t.dim() == 2:
+            shapes.append(t[:, :-1])
+        sd[key] = draw(st.sampled_from(shapes))
+    elif how == "not a tensor":
+        sd[key] = draw(st.sampled_from([t.tolist(), None, 1.0, tuple(t.flatten().tolist())]))
+    elif how == "meta":
+        sd[key] = t.to("meta")
+    elif how == "sparse":
+        sd[key] = t.to_sparse()
+    elif how == "subclass":
+        sd[key] = t.clone().as_subclass(_Sub)
+    else:
+        if not t.numel():
+            return None
+        bad = t.clone()
+        bad.view(-1)[draw(st.integers(0, t.numel() - 1))] = draw(st.sampled_from(BAD_VALUES[key]))
+        sd[key] = bad
+    return key
+
+
+BREAKERS = {
+    "scalar": _retype_scalar,
+    "key": _drop_or_add_key,
+    "recipe": _break_recipe,
+    "slots": _break_slots,
+    "tensor": _break_tensor,
+}
+
+
+class TestFuzz:
+    @settings(
+        max_examples=1000,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(recipe=RECIPES, layout=LAYOUTS, data=st.data())
+    def test_loaded_bitwise_or_refused_cleanly(self, recipe, layout, data):
+        """Mutated state dicts either load bit for bit or raise StateDictError naming a broken key,
+        leaving the manager bitwise unchanged; a loaded state steps to finite, normal scales."""
+        target = ss.ScalingStateManager(recipe, backend="emulation")
+        for name, roles in data.draw(st.permutations(layout)):
+            target.register(name, roles=roles)
+        template = target.state_dict()
+        target.load_state_dict(_valid_values(data.draw, template))  # a state to keep or replace
+        expected = _valid_values(data.draw, template)
+        sd = _benign(data.draw, dict(expected))
+        broken: list[str] = []
+        count = data.draw(st.sampled_from([0, 0, 1, 1, 1, 2]))  # mostly one defect, so none hides another
+        for kind in data.draw(
+            st.lists(st.sampled_from([*BREAKERS, "tensor", "tensor"]), min_size=count, max_size=count)
+        ):
+            key = BREAKERS[kind](data.draw, sd, broken)
+            if key is not None:
+                event(f"breaking: {kind}")
+                broken.append(key)
+        if data.draw(st.booleans()):
+            sd = data.draw(st.sampled_from([collections.OrderedDict, MappingProxyType, _ReadOnly]))(sd)
+        if not broken:
+            event("outcome: loaded")
+            target.load_state_dict(sd)
+            assert_same_state(target.state_dict(), expected)
+            target.step()
+            scales = target.state_dict()["scale"]
+            assert bool(torch.isfinite(scales).all()) and bool((scales >= TINY).all())
+            return
+        event("outcome: refused")
+        err = _refused(target, sd)
+        assert any(key in str(err) for key in broken), (broken, str(err))
