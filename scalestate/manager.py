@@ -415,5 +415,5 @@ class ScalingStateManager:
                 "or call discard_step() first to drop what this step recorded"
             )
         loaded = validate(state_dict, st, self._recipe)
-        st.load(loaded.history, loaded.scales, loaded.step_amax, loaded.iteration)
+        st.load(loaded.history, loaded.scales, loaded.step_amax, loaded.iteration, loaded.tensors["nonfinite_counts"])
         self._refused = False

@@ -1,9 +1,9 @@
 """The manager's ``state_dict``: plain values only, validated strictly before use.
 
-Keys (format version 1), exactly these:
+Keys (format version 2), exactly these:
 
 ``format_version`` (int)
-    1.
+    2.
 ``recipe`` (dict)
     ``kind`` (``"DelayedScaling"`` or ``"CurrentScaling"``) and every recipe
     field as a plain value (formats by their string value).
@@ -18,6 +18,12 @@ Keys (format version 1), exactly these:
     Current scale per slot.
 ``step_amax`` (float32 tensor ``[N]``)
     Amax recorded since the last ``step()`` (zeros when saved between steps).
+``nonfinite_counts`` (int64 tensor ``[N]``)
+    Steps whose amax was NaN or infinite, per slot (see
+    :meth:`~scalestate.ScalingStateManager.nonfinite_counts`).
+
+Format version 1 (scalestate 0.1 and 0.2 before the non-finite counters) is
+the same without ``nonfinite_counts``; it still loads, with every count 0.
 
 Everything is a dict, list, str, int, bool or tensor, so
 ``torch.load(path, weights_only=True)`` loads it.
@@ -27,8 +33,8 @@ restores it bit for bit and the manager can go on from it; anything else
 raises :class:`~scalestate.errors.StateDictError` (a ``ValueError``) naming
 the key, what was expected and what it holds, before anything is modified:
 
-* the keys are exactly those above: none missing, none extra;
-* ``format_version`` is the int 1 (not ``True``, ``1.0`` or a tensor);
+* the keys are exactly those of its format version: none missing, none extra;
+* ``format_version`` is the int 2 or 1 (not ``True``, ``2.0`` or a tensor);
 * ``recipe`` has exactly the manager's recipe fields, each equal *and of the
   same type* (``4.0`` or ``True`` is not the int ``4`` or ``1``);
 * ``iteration`` is an int (not a bool) in ``[0, 2**63)``;
@@ -45,7 +51,8 @@ the key, what was expected and what it holds, before anything is modified:
   float32 (``2**-126``, the least scale a step makes; a subnormal scale has
   no finite inverse); ``step_amax`` entries are ``>= 0``, ``+inf`` or NaN
   (what casts record; the next ``step()`` applies the non-finite policy to
-  them, as it would have without the save).
+  them, as it would have without the save); ``nonfinite_counts`` entries
+  are ``>= 0``.
 
 Each tensor key is one row of :data:`TENSOR_KEYS` (dtype, shape, value rule
 and where the state holds it); a new kind of per-slot tensor is one more row.
@@ -68,7 +75,9 @@ from scalestate.state import State
 
 __all__ = ["FORMAT_VERSION", "TENSOR_KEYS", "LoadedState", "TensorKey", "recipe_to_dict", "to_state_dict", "validate"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this scalestate reads.
+_READABLE_VERSIONS = (1, 2)
 #: Largest ``iteration`` accepted: it must fit an int64.
 _MAX_ITERATION = 2**63 - 1
 #: Tensor types taken as they are; any other subclass (DTensor, FakeTensor, ...) is refused.
@@ -92,6 +101,8 @@ class TensorKey:
     invalid: Callable[[Tensor], Tensor]
     #: The rule, as an error message states it.
     rule: str
+    #: The format version that introduced it (older dicts load it as zeros).
+    since: int = 1
 
 
 def _invalid_amax(t: Tensor) -> Tensor:
@@ -132,9 +143,24 @@ TENSOR_KEYS: tuple[TensorKey, ...] = (
         invalid=_invalid_step_amax,
         rule="step amaxes must be >= 0, +inf or NaN",
     ),
+    TensorKey(
+        name="nonfinite_counts",
+        dtype=torch.int64,
+        row_shape=lambda history_len: (),
+        read=lambda state: state.nonfinite,
+        invalid=lambda t: t < 0,
+        rule="non-finite counts must be >= 0",
+        since=2,
+    ),
 )
 
-_KEYS = ("format_version", "recipe", "iteration", "slots", *(k.name for k in TENSOR_KEYS))
+
+def _keys(version: int) -> tuple[str, ...]:
+    """The keys of a state dict of format ``version``."""
+    return ("format_version", "recipe", "iteration", "slots", *(k.name for k in TENSOR_KEYS if k.since <= version))
+
+
+_KEYS = _keys(FORMAT_VERSION)
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
@@ -191,8 +217,8 @@ def validate(sd: object, state: State, recipe: Recipe) -> LoadedState:
     """
     if not isinstance(sd, Mapping):
         raise StateDictError(f"expected a dict from ScalingStateManager.state_dict(); got {type(sd).__name__}")
-    values = _read_keys(sd)
-    _check_version(values["format_version"])
+    version = _check_version(sd["format_version"]) if "format_version" in sd else FORMAT_VERSION
+    values = _read_keys(sd, version)
     _check_recipe(values["recipe"], recipe_to_dict(recipe))
     iteration = _check_iteration(values["iteration"])
     saved = _slot_pairs(values["slots"])
@@ -201,41 +227,50 @@ def validate(sd: object, state: State, recipe: Recipe) -> LoadedState:
     n = len(state)
     tensors = {}
     for key in TENSOR_KEYS:
-        value = _tensor(key, values[key.name], (n, *key.row_shape(state.history_len)), saved)
+        shape = (n, *key.row_shape(state.history_len))
+        if key.since > version:  # an older format: the value starts afresh
+            tensors[key.name] = torch.zeros(shape, dtype=key.dtype, device=state.device)
+            continue
+        value = _tensor(key, values[key.name], shape, saved)
         tensors[key.name] = value[index.to(value.device)].to(state.device)
     return LoadedState(iteration=iteration, tensors=MappingProxyType(tensors))
 
 
-def _read_keys(sd: Mapping[Any, Any]) -> dict[str, Any]:
-    """Every key's value, read once; exactly the keys of :data:`_KEYS`."""
+def _read_keys(sd: Mapping[Any, Any], version: int) -> dict[str, Any]:
+    """Every key's value, read once; exactly the keys of the dict's format ``version``."""
+    keys = _keys(version)
     present = list(sd)
     named = {k for k in present if isinstance(k, str)}
-    missing = [k for k in _KEYS if k not in named]
+    missing = [k for k in keys if k not in named]
     if missing:
         raise StateDictError(
             f"state dict lacks key(s) {missing}; it was not made by ScalingStateManager.state_dict() "
-            f"(which makes exactly {list(_KEYS)})"
+            f"(which makes exactly {list(keys)} in format version {version})"
         )
-    extra = sorted((k for k in present if not (isinstance(k, str) and k in _KEYS)), key=repr)
+    extra = sorted((k for k in present if not (isinstance(k, str) and k in keys)), key=repr)
     if extra:
         raise StateDictError(
             f"state dict has unexpected key(s) {extra}; ScalingStateManager.state_dict() makes exactly "
-            f"{list(_KEYS)}. Pass the manager only its own part of a checkpoint"
+            f"{list(keys)}. Pass the manager only its own part of a checkpoint"
         )
-    return {k: sd[k] for k in _KEYS}
+    return {k: sd[k] for k in keys}
 
 
 def _type_name(value: object) -> str:
     return type(value).__qualname__
 
 
-def _check_version(version: object) -> None:
+def _check_version(version: object) -> int:
     if isinstance(version, bool) or not isinstance(version, int):
         raise StateDictError(
             f"format_version must be the int {FORMAT_VERSION}; got {version!r} ({_type_name(version)})"
         )
-    if version != FORMAT_VERSION:
-        raise StateDictError(f"state dict has format_version {version!r}; this scalestate reads {FORMAT_VERSION}")
+    if version not in _READABLE_VERSIONS:
+        raise StateDictError(
+            f"state dict has format_version {version!r}; this scalestate reads {list(_READABLE_VERSIONS)}"
+            + (": it was saved by a newer scalestate, upgrade to load it" if version > FORMAT_VERSION else "")
+        )
+    return int(version)
 
 
 def _check_recipe(got: object, expected: dict[str, Any]) -> None:

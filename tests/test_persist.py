@@ -350,11 +350,36 @@ class TestStrictValues:
 
 
 class TestStrictScalars:
-    @pytest.mark.parametrize("value", [True, 1.0, "1", None, [1], torch.tensor(1), torch.tensor(1, device="meta")])
+    @pytest.mark.parametrize("value", [True, 2.0, "2", None, [2], torch.tensor(2), torch.tensor(2, device="meta")])
     def test_format_version_not_an_int(self, value):
-        """format_version is the int 1: not a bool (True == 1 in Python), a float or a tensor."""
+        """format_version is the int 2: not a bool (True == 1 in Python), a float or a tensor."""
         m, _ = _trained()
-        _refused(m, {**m.state_dict(), "format_version": value}, "format_version must be the int 1")
+        _refused(m, {**m.state_dict(), "format_version": value}, "format_version must be the int 2")
+
+    def test_format_version_1_loads_with_zero_counts(self):
+        """A dict of format version 1 (before the non-finite counters) loads; its counts start at 0."""
+        m, _ = _trained()
+        sd = m.state_dict()
+        old = {k: v for k, v in sd.items() if k != "nonfinite_counts"} | {"format_version": 1}
+        m.load_state_dict(old)
+        for key in ("amax_history", "scale", "step_amax"):
+            assert torch.equal(m.state_dict()[key], sd[key])
+        assert all(n == 0 for roles in m.nonfinite_counts().values() for n in roles.values())
+        _refused(m, {**old, "nonfinite_counts": sd["nonfinite_counts"]}, "unexpected key")
+        _refused(m, {**sd, "format_version": 3}, "newer scalestate")
+
+    def test_counts_round_trip(self):
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        with m.forward():
+            h.quantize(torch.tensor([float("nan")]), ss.Role.INPUT)
+        m.step()
+        sd = m.state_dict()
+        assert sd["nonfinite_counts"].tolist() == [1] and sd["nonfinite_counts"].dtype == torch.int64
+        fresh = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        fresh.register("fc", roles=(ss.Role.INPUT,))
+        fresh.load_state_dict(sd)
+        assert fresh.nonfinite_counts() == {"fc": {ss.Role.INPUT: 1}}
 
     @pytest.mark.parametrize(
         "value",
@@ -452,12 +477,14 @@ VALID_VALUES = {
     "amax_history": _AMAX,
     "scale": st.floats(min_value=TINY, max_value=F32_MAX, width=32) | st.sampled_from([TINY, 1.0, F32_MAX]),
     "step_amax": _AMAX | st.sampled_from([INF, NAN]),
+    "nonfinite_counts": st.integers(0, 2**63 - 1),
 }
 #: Values each tensor key refuses.
 BAD_VALUES = {
     "amax_history": [NAN, INF, -INF, -1.0, -1e-45, -F32_MAX],
     "scale": [NAN, INF, -INF, 0.0, -0.0, -1.0, SUBNORMAL, 1e-45, TINY / 2],
     "step_amax": [-INF, -1.0, -1e-45],
+    "nonfinite_counts": [-1, -(2**63)],
 }
 _NAN_BITS = [0x7FC00123, -0x400000, 0x7F800001]  # NaNs with a payload, a sign, a signalling bit
 
@@ -561,7 +588,7 @@ def _retype_scalar(draw: st.DrawFn, sd: dict[str, Any], broken: list[str]) -> st
         return None
     key = draw(st.sampled_from(keys))
     bad = {
-        "format_version": [0, 2, -1, True, False, 1.0, "1", None, [1], torch.tensor(1), torch.tensor(1, device="meta")],
+        "format_version": [0, 3, -1, True, False, 2.0, "2", None, [2], torch.tensor(2), torch.tensor(2, device="meta")],
         "iteration": [-1, -(2**63), 2**63, 2**64, True, False, 1.5, "3", None, torch.tensor(3)],
     }[key]
     sd[key] = draw(st.sampled_from(bad))
