@@ -38,12 +38,13 @@ class TestDemo:
         assert out.count("IDENTICAL on every rank") == 4 and "DIFFERENT" not in out
         assert out.count("EQUAL") == 4 and "same scaling state" in out
 
-    def test_under_torchrun(self):
+    def test_under_torchrun(self, tmp_path):
         """The README's torchrun command: the ranks come from the environment."""
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "-m", "scalestate", "demo", *TINY, "--no-fp32"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
+        # from elsewhere than the source tree, so that "-m scalestate" is the installed package
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.count("IDENTICAL on every rank") == 4 and out.stdout.count("scalestate demo:") == 1
 
