@@ -1,0 +1,357 @@
+"""Fine-grained FP8 scaling: one scale per row, per tile, per block, or per MX block.
+
+Pure functions over tensors, bit-exact by construction: each is a fixed
+number of tensor operations whatever the size (the input is padded with zeros
+to a whole number of tiles, which never changes a max, then reshaped), and
+none reads a value back to the host. They are the numerics of the
+fine-grained recipes; no manager or recipe state is involved.
+
+The granularities (``K`` is the last, contraction, dimension):
+
+* :func:`quantize_rowwise`: one scale per row of ``K`` elements.
+* :func:`quantize_tiles`: one scale per ``1 x block`` tile of a row
+  (activations and gradients); ``ceil(K / block)`` scales per row.
+* :func:`quantize_blocks`: one scale per ``block x block`` block of the last
+  two dimensions (weights).
+* :func:`quantize_mx`: MXFP8, one E8M0 power of two per 32 consecutive
+  elements of a row.
+
+The rules, per row, tile or block with amax ``a`` (the max of ``|x|`` over
+it; NaN if it holds a NaN):
+
+* scale (rows, tiles, blocks): exactly the per-tensor rule of
+  :func:`scalestate.math.scale_from_amax` applied to ``a``: ``fp8_max / a``
+  (a true float32 division), clamped to ``[smallest normal float32, largest
+  float32]``, rounded down to a power of two when ``power_of_2`` (by clearing
+  the mantissa bits); ``1`` where ``a`` is zero or not finite.
+  ``scale_inv = torch.reciprocal(scale)`` in float32 (exact for powers of two).
+* MX: see :func:`mx_exponent`; ``scale = 2**-e`` (float32) and
+  ``scale_inv = 2**e`` as ``torch.float8_e8m0fnu``.
+* data: ``x * scale`` in float32, saturated to ``[-fp8_max, fp8_max]``, cast
+  to the float8 dtype by torch (round to nearest even); NaN stays NaN.
+
+A last tile or block that is cut short by the tensor's edge is partial: its
+amax is taken over the elements that exist. Data always has ``x``'s shape.
+
+Example:
+    >>> import torch
+    >>> from scalestate.finegrained import quantize_tiles
+    >>> x = torch.tensor([[1.0, -3.0, 0.25, 100.0]])
+    >>> q = quantize_tiles(x, torch.float8_e4m3fn, block=2)
+    >>> q.scale
+    tensor([[128.,   4.]])
+    >>> q.dequantize()  # 100 * 4 = 400 is a tie between E4M3's 384 and 416: even wins
+    tensor([[ 1.0000, -3.0000,  0.2500, 96.0000]])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from scalestate.errors import CastError
+from scalestate.math import ScaleRule, is_usable_amax, scale_from_amax
+
+__all__ = [
+    "MX_BLOCK",
+    "FineQuantized",
+    "dequantize",
+    "mx_exponent",
+    "quantize_blocks",
+    "quantize_mx",
+    "quantize_rowwise",
+    "quantize_tiles",
+]
+
+#: Elements per scale in MXFP8 (the OCP Microscaling spec's block size).
+MX_BLOCK = 32
+#: E8M0 encodes ``2**e`` for ``e`` in ``[-127, 127]`` as the byte ``e + 127``; 255 is NaN.
+_E8M0_BIAS = 127
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_MANTISSA_BITS = 0x007FFFFF
+
+
+class FineQuantized(NamedTuple):
+    """The result of a fine-grained cast: data, its scales, and the tensor's amax.
+
+    ``data ~= x * scale`` with each scale broadcast over its tile; ``tile`` is
+    the ``(rows, columns)`` of ``data`` that one scale covers. The ``t_``
+    fields, present when the cast was asked for ``columnwise=True``, hold the
+    quantization of ``x.t()`` laid out contiguously (shape ``x.t().shape``),
+    with ``t_tile`` the tile of ``t_data``.
+    """
+
+    #: The FP8 values, shape of ``x``.
+    data: Tensor
+    #: float32 multipliers applied before rounding, one per tile.
+    scale: Tensor
+    #: Dequantization factors: float32 ``reciprocal(scale)``, or E8M0 for MX.
+    scale_inv: Tensor
+    #: 0-d float32: max of ``|x|`` over the whole tensor (NaN if any element is NaN).
+    amax: Tensor
+    #: ``(rows, columns)`` of ``data`` covered by one scale.
+    tile: tuple[int, int]
+    #: Quantized ``x.t()``, contiguous, when asked for; else ``None``.
+    t_data: Tensor | None = None
+    #: Scales of ``t_data`` (for blocks: ``scale.t()``, the same storage).
+    t_scale: Tensor | None = None
+    #: Dequantization factors of ``t_data``.
+    t_scale_inv: Tensor | None = None
+    #: ``(rows, columns)`` of ``t_data`` covered by one scale.
+    t_tile: tuple[int, int] | None = None
+
+    def dequantize(self) -> Tensor:
+        """``data * scale_inv`` in float32, each factor spread over its tile."""
+        return dequantize(self.data, self.scale_inv, self.tile)
+
+    def dequantize_t(self) -> Tensor:
+        """``t_data * t_scale_inv`` in float32 (``~= x.t()``)."""
+        if self.t_data is None or self.t_scale_inv is None or self.t_tile is None:
+            raise CastError("this cast holds no columnwise data; quantize with columnwise=True")
+        return dequantize(self.t_data, self.t_scale_inv, self.t_tile)
+
+
+def dequantize(data: Tensor, scale_inv: Tensor, tile: tuple[int, int]) -> Tensor:
+    """``data * scale_inv`` in float32, each factor repeated over its ``tile``.
+
+    Args:
+        data: FP8 values of shape ``(..., M, K)`` (or ``(K,)`` for 1-row tiles).
+        scale_inv: one factor per tile, shape ``(..., ceil(M / rows), ceil(K / columns))``;
+            float32 or E8M0 (converted to float32 exactly).
+        tile: ``(rows, columns)`` of ``data`` covered by one factor; partial
+            tiles at the edges take their factor like whole ones.
+    """
+    rows, cols = tile
+    s = scale_inv.float()
+    if cols > 1:
+        s = s.repeat_interleave(cols, dim=-1)[..., : data.shape[-1]]
+    if rows > 1:
+        s = s.repeat_interleave(rows, dim=-2)[..., : data.shape[-2], :]
+    return data.float() * s
+
+
+def quantize_rowwise(
+    x: Tensor, dtype: torch.dtype, *, power_of_2: bool = False, columnwise: bool = False
+) -> FineQuantized:
+    """One scale per row of the last dimension: ``scale`` has shape ``(..., 1)``.
+
+    Args:
+        x: the high-precision tensor (read in float32), at least 1-d; 2-d when ``columnwise``.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        power_of_2: round each scale down to a power of two.
+        columnwise: also quantize ``x.t()`` row-wise (one scale per column of ``x``).
+    """
+    fp8_max = _fp8_max(dtype)
+    _check_input(x, 1, columnwise, "quantize_rowwise")
+    rule = ScaleRule(power_of_2=power_of_2)
+    row = _lastdim(x, fp8_max, dtype, rule, block=max(x.shape[-1], 1), n_tiles=1)
+    if not columnwise:
+        return FineQuantized(*row, tile=(1, x.shape[-1]))
+    col = _lastdim(x.t(), fp8_max, dtype, rule, block=max(x.shape[0], 1), n_tiles=1)
+    return FineQuantized(*row, tile=(1, x.shape[-1]), t_data=col[0], t_scale=col[1],
+                         t_scale_inv=col[2], t_tile=(1, x.shape[0]))
+
+
+def quantize_tiles(
+    x: Tensor, dtype: torch.dtype, *, block: int = 128, power_of_2: bool = True, columnwise: bool = False
+) -> FineQuantized:
+    """One scale per ``1 x block`` tile of the last dimension: ``scale`` is ``(..., ceil(K / block))``.
+
+    Args:
+        x: the high-precision tensor (read in float32), at least 1-d; 2-d when ``columnwise``.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        block: elements per tile (the last tile of a row may be shorter).
+        power_of_2: round each scale down to a power of two.
+        columnwise: also quantize ``x.t()`` in ``1 x block`` tiles (``block x 1`` tiles of ``x``).
+    """
+    fp8_max = _fp8_max(dtype)
+    _check_input(x, 1, columnwise, "quantize_tiles")
+    _check_block(block)
+    rule = ScaleRule(power_of_2=power_of_2)
+    row = _lastdim(x, fp8_max, dtype, rule, block=block, n_tiles=-(-x.shape[-1] // block))
+    if not columnwise:
+        return FineQuantized(*row, tile=(1, block))
+    col = _lastdim(x.t(), fp8_max, dtype, rule, block=block, n_tiles=-(-x.shape[0] // block))
+    return FineQuantized(*row, tile=(1, block), t_data=col[0], t_scale=col[1], t_scale_inv=col[2],
+                         t_tile=(1, block))
+
+
+def quantize_blocks(
+    w: Tensor, dtype: torch.dtype, *, block: int = 128, power_of_2: bool = True, columnwise: bool = False
+) -> FineQuantized:
+    """One scale per ``block x block`` block of the last two dimensions.
+
+    ``scale`` has shape ``(..., ceil(M / block), ceil(K / block))``. One set of
+    scales serves both orientations: the columnwise data is ``data.t()`` laid
+    out contiguously, which is bitwise the quantization of ``w.t()`` with the
+    transposed scale grid ``scale.t()``.
+
+    Args:
+        w: the high-precision tensor (read in float32), at least 2-d; 2-d when ``columnwise``.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        block: rows and columns per block (blocks at the edges may be smaller).
+        power_of_2: round each scale down to a power of two.
+        columnwise: also return the contiguous transpose of the data.
+    """
+    fp8_max = _fp8_max(dtype)
+    _check_input(w, 2, columnwise, "quantize_blocks")
+    _check_block(block)
+    *lead, m, k = w.shape
+    mt, kt = -(-m // block), -(-k // block)
+    batch = math.prod(lead)
+    w3 = _padded(w.reshape(batch, m, k), (mt * block, kt * block))
+    tiles = w3.view(batch, mt, block, kt, block)
+    tile_amax = tiles.abs().amax(dim=(2, 4))
+    scale = scale_from_amax(tile_amax, fp8_max, ScaleRule(power_of_2=power_of_2))
+    scaled = (tiles * scale[:, :, None, :, None]).view(w3.shape)[:, :m, :k]
+    data = _saturate(scaled, fp8_max, dtype).reshape(w.shape)
+    scale = scale.reshape(*lead, mt, kt)
+    scale_inv = torch.reciprocal(scale)
+    amax = _total_amax(tile_amax)
+    if not columnwise:
+        return FineQuantized(data, scale, scale_inv, amax, tile=(block, block))
+    return FineQuantized(data, scale, scale_inv, amax, tile=(block, block), t_data=data.t().contiguous(),
+                         t_scale=scale.t(), t_scale_inv=scale_inv.t(), t_tile=(block, block))
+
+
+def quantize_mx(
+    x: Tensor, dtype: torch.dtype, *, block: int = MX_BLOCK, columnwise: bool = False
+) -> FineQuantized:
+    """MXFP8: one E8M0 power of two per ``block`` (32) consecutive elements of the last dimension.
+
+    ``scale_inv`` is the ``torch.float8_e8m0fnu`` tensor ``2**e`` with ``e``
+    from :func:`mx_exponent`, shape ``(..., ceil(K / block))``; ``scale`` is
+    the float32 ``2**-e`` the data was multiplied by. A last block cut short
+    by the row's end is partial (the OCP format itself wants ``K`` a multiple
+    of 32; a GEMM kernel will).
+
+    Args:
+        x: the high-precision tensor (read in float32), at least 1-d; 2-d when ``columnwise``.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        block: elements per scale (32 in MXFP8).
+        columnwise: also quantize ``x.t()`` (blocks of 32 down the columns of ``x``).
+    """
+    fp8_max = _fp8_max(dtype)
+    _check_input(x, 1, columnwise, "quantize_mx")
+    _check_block(block)
+    row = _lastdim(x, fp8_max, dtype, None, block=block, n_tiles=-(-x.shape[-1] // block))
+    if not columnwise:
+        return FineQuantized(*row, tile=(1, block))
+    col = _lastdim(x.t(), fp8_max, dtype, None, block=block, n_tiles=-(-x.shape[0] // block))
+    return FineQuantized(*row, tile=(1, block), t_data=col[0], t_scale=col[1], t_scale_inv=col[2],
+                         t_tile=(1, block))
+
+
+def mx_exponent(amax: Tensor, fp8_max: float) -> Tensor:
+    """The MX block exponent ``e = ceil(log2(amax / fp8_max))``, exactly, as int32.
+
+    Rounding up (NVIDIA's MXFP8 pre-training recipe) rather than the OCP
+    spec's ``floor(log2(amax)) - emax`` guarantees ``amax * 2**-e <= fp8_max``:
+    no element of the block saturates.
+
+    Computed on the float32 bits, not with a float ``log2`` (which rounds near
+    powers of two): with ``amax = ma * 2**ea`` and ``fp8_max = mf * 2**ef``
+    (``ma, mf`` in ``[1, 2)``), ``e = ea - ef + (ma > mf)``.
+
+    ``e`` is clamped to ``[-127, 127]``, E8M0's range (biased bytes 0..254;
+    255 is NaN); ``2**-e`` is then a float32 (``2**-127`` a subnormal one).
+    Only the lower bound can bind for float32 inputs (amaxes below about
+    ``fp8_max * 2**-127``; the clamp only makes the scale smaller than the
+    exact one, so nothing saturates); the upper one cannot (``e <= 120`` for
+    E4M3). A subnormal amax needs no normalization: the true ``e`` is below
+    ``-126 - ef <= -127``, and its bits (exponent field 0) give
+    ``e <= -127 - ef + 1 <= -127`` too, so both clamp to -127 whenever
+    ``fp8_max >= 2``. ``e = 0`` where ``amax`` is zero or not finite.
+
+    Args:
+        amax: float32 block amaxes (any shape).
+        fp8_max: the format's largest value, a normal float32 ``>= 2`` (448 or 57344).
+    """
+    usable = is_usable_amax(amax)
+    bits = torch.where(usable, amax.float(), 1.0).view(torch.int32)
+    exponent = torch.bitwise_right_shift(bits, 23) - 127
+    f_mantissa, f_exponent = math.frexp(fp8_max)  # fp8_max = (2 * f_mantissa) * 2**(f_exponent - 1)
+    f_bits = round((2 * f_mantissa - 1) * 2**23)
+    above = torch.bitwise_and(bits, _MANTISSA_BITS) > f_bits
+    e = exponent - (f_exponent - 1) + above.int()
+    return torch.where(usable, e.clamp(-_E8M0_BIAS, _E8M0_BIAS), 0).int()
+
+
+def _lastdim(
+    x: Tensor, fp8_max: float, dtype: torch.dtype, rule: ScaleRule | None, *, block: int, n_tiles: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(data, scale, scale_inv, amax)`` with one scale per ``block`` elements of the last dim.
+
+    ``rule`` is ``None`` for MX (power-of-two E8M0 factors).
+    """
+    *lead, k = x.shape
+    rows = math.prod(lead)
+    x2 = _padded(x.reshape(rows, k), (n_tiles * block,))
+    tiles = x2.view(rows, n_tiles, block)
+    tile_amax = tiles.abs().amax(dim=-1)
+    if rule is None:
+        e = mx_exponent(tile_amax, fp8_max)
+        scale = _pow2(-e)
+        scale_inv = (e + _E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
+    else:
+        scale = scale_from_amax(tile_amax, fp8_max, rule)
+        scale_inv = torch.reciprocal(scale)
+    scaled = (tiles * scale.unsqueeze(-1)).view(x2.shape)[:, :k]
+    data = _saturate(scaled, fp8_max, dtype).reshape(x.shape)
+    shape = (*lead, n_tiles)
+    return data, scale.reshape(shape), scale_inv.reshape(shape), _total_amax(tile_amax)
+
+
+def _pow2(n: Tensor) -> Tensor:
+    """``2**n`` as float32 for int32 ``n`` in ``[-127, 127]``, exactly, from the exponent bits."""
+    normal = torch.bitwise_left_shift(n + 127, 23).view(torch.float32)
+    return torch.where(n > -127, normal, 2.0**-127)
+
+
+def _padded(x: Tensor, size: tuple[int, ...]) -> Tensor:
+    """``x`` in float32, zero-padded at the end of its last ``len(size)`` dims to ``size``."""
+    xf = x.float()
+    pad: list[int] = []
+    for dim, target in zip(range(-1, -len(size) - 1, -1), reversed(size), strict=True):
+        pad += [0, target - xf.shape[dim]]
+    return F.pad(xf, pad) if any(pad) else xf.contiguous()
+
+
+def _saturate(scaled: Tensor, fp8_max: float, dtype: torch.dtype) -> Tensor:
+    """Clamp to ``[-fp8_max, fp8_max]`` (NaN stays NaN) and round to ``dtype``, contiguous."""
+    return scaled.clamp(-fp8_max, fp8_max).to(dtype).contiguous()
+
+
+def _total_amax(tile_amax: Tensor) -> Tensor:
+    """The max over all tiles, 0-d float32, NaN propagating; 0 for an empty tensor."""
+    return tile_amax.amax() if tile_amax.numel() else tile_amax.new_zeros(())
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    try:
+        return _FP8_MAX[dtype]
+    except KeyError:
+        raise CastError(
+            f"fine-grained casts need torch.float8_e4m3fn or torch.float8_e5m2; got {dtype}"
+        ) from None
+
+
+def _check_input(x: Tensor, min_dim: int, columnwise: bool, name: str) -> None:
+    if not x.is_floating_point():
+        raise CastError(f"{name} needs a floating-point tensor; got {x.dtype}")
+    if x.dim() < min_dim:
+        raise CastError(f"{name} needs a tensor of at least {min_dim} dimension(s); got shape {tuple(x.shape)}")
+    if columnwise and x.dim() != 2:
+        raise CastError(
+            f"{name}(columnwise=True) needs a 2-d tensor; got shape {tuple(x.shape)}; "
+            "flatten the leading dimensions first: x.reshape(-1, x.shape[-1])"
+        )
+
+
+def _check_block(block: int) -> None:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise CastError(f"block must be an int >= 1; got {block!r}")
