@@ -165,8 +165,16 @@ class ScalingStateManager:
         """Registered names and their handles (read-only)."""
         return MappingProxyType(self._handles)
 
+    @property
+    def slots(self) -> tuple[tuple[str, Role], ...]:
+        """Every slot as ``(name, role)``, in the row order of :meth:`buffers` (registration order).
+
+        ``state_dict()`` lists the same slots sorted by name and role instead.
+        """
+        return tuple((s.name, s.role) for s in self._state.slots)
+
     def buffers(self) -> Mapping[str, Tensor]:
-        """Live views of the state's buffers, one row per slot in ``state_dict()["slots"]`` order.
+        """Live views of the state's buffers, one row per slot in :attr:`slots` order.
 
         ``"amax_history"`` ``[N, history_len]``, ``"scale"`` ``[N]``, ``"step_amax"`` ``[N]``,
         all float32 on :attr:`device`. They are the state itself, not copies: they

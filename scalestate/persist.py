@@ -10,7 +10,8 @@ Keys (format version 2), exactly these:
 ``iteration`` (int)
     Number of ``step()`` calls so far.
 ``slots`` (list of ``[name, role]`` string pairs)
-    One per row of the tensors below, in that order; ``role`` is a
+    One per row of the tensors below, in that order, sorted by name and
+    role (whatever the registration order); ``role`` is a
     :class:`~scalestate.Role` value (``"input"``, ``"weight"``, ``"grad_output"``).
 ``amax_history`` (float32 tensor ``[N, history_len]``)
     Amax history per slot, newest last.
@@ -173,15 +174,24 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
 
 
 def to_state_dict(state: State, recipe: Recipe) -> dict[str, Any]:
-    """A copy of ``state`` as a state dict (tensors are cloned, not aliased)."""
+    """A copy of ``state`` as a state dict (tensors are copies, never views of the state).
+
+    Rows are sorted by (name, role), whatever the registration order: ranks
+    that registered in different orders save identical dicts, which
+    ``torch.distributed.checkpoint`` needs, as it saves each replicated key
+    from one rank only.
+    """
+    slots = state.slots
+    order = sorted(range(len(slots)), key=lambda i: (slots[i].name, slots[i].role.value))
+    index = torch.tensor(order, dtype=torch.long, device=state.device)
     sd: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "recipe": recipe_to_dict(recipe),
         "iteration": state.iteration,
-        "slots": [[s.name, s.role.value] for s in state.slots],
+        "slots": [[slots[i].name, slots[i].role.value] for i in order],
     }
     for key in TENSOR_KEYS:
-        sd[key.name] = key.read(state).detach().clone()
+        sd[key.name] = key.read(state).detach().index_select(0, index)
     return sd
 
 

@@ -335,6 +335,15 @@ def _dcp_train(rank: int, m: ss.ScalingStateManager, model: nn.Module, opt: Any,
     return seen
 
 
+def _unordered(rank: int) -> ss.ScalingStateManager:
+    """A manager whose ranks register the same slots in different orders."""
+    m = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+    names = ["a", "b", "c"] if rank % 2 == 0 else ["c", "b", "a"]
+    for name in names:
+        m.register(name, roles=(I,))
+    return m
+
+
 def _dcp_worker(rank: int, world: int, path: str, phase: str) -> Any:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -348,19 +357,37 @@ def _dcp_worker(rank: int, world: int, path: str, phase: str) -> Any:
     if phase == "save":
         m, model, opt = fresh()
         _dcp_train(rank, m, model, opt, range(3))
+        unordered = _unordered(rank)
+        for step in range(2):
+            with unordered.forward():
+                for k, name in enumerate("abc"):
+                    unordered.handles[name].quantize(torch.full((2,), float((k + 1) * (10**step) + rank)), I)
+            unordered.step()
         model_sd, optim_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": optim_sd, "fp8": m}, checkpoint_id=path)
+        # alone in its checkpoint, so that DCP spreads its keys over the ranks that save them
+        dcp.save({"fp8": unordered}, checkpoint_id=path + "-unordered")
         saved = m.state_dict()
-        return {"saved": saved, "continued": _dcp_train(rank, m, model, opt, range(3, 6))}
+        return {
+            "saved": saved,
+            "unordered": _by_slot(unordered),
+            "continued": _dcp_train(rank, m, model, opt, range(3, 6)),
+        }
     m, model, opt = fresh()
+    unordered = _unordered(rank)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd, "fp8": m}
     dcp.load(state, checkpoint_id=path)
+    dcp.load({"fp8": unordered}, checkpoint_id=path + "-unordered")
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loaded = m.state_dict()
-    if phase == "load":
-        return {"loaded": loaded, "continued": _dcp_train(rank, m, model, opt, range(3, 6))}
-    return {"loaded": loaded}
+    if phase == "load_only":
+        return {"loaded": loaded, "unordered": _by_slot(unordered)}
+    return {
+        "loaded": loaded,
+        "unordered": _by_slot(unordered),
+        "continued": _dcp_train(rank, m, model, opt, range(3, 6)),
+    }
 
 
 def test_distributed_checkpoint_resumes_bitwise_and_at_another_world_size(tmp_path):
@@ -378,3 +405,9 @@ def test_distributed_checkpoint_resumes_bitwise_and_at_another_world_size(tmp_pa
     for r in wider:
         for key in ("amax_history", "scale"):
             assert torch.equal(r["loaded"][key], saved[0]["saved"][key])
+    # Ranks that registered in different orders: every slot gets its own values back.
+    for r in [*loaded, *wider]:
+        for key, values in saved[0]["unordered"].items():
+            assert torch.equal(r["unordered"][key]["history"], values["history"]), key
+            assert torch.equal(r["unordered"][key]["scale"], values["scale"]), key
+    assert saved[0]["unordered"][("a", "input")]["history"][-1].item() == 11.0

@@ -217,7 +217,7 @@ class TestDiscardStep:
         delayed.discard_step()
         with delayed.forward():
             layer(x)
-        w_row = [tuple(s) for s in delayed.state_dict()["slots"]].index(("fc", "weight"))
+        w_row = delayed.slots.index(("fc", W))
         assert delayed.buffers()["step_amax"][w_row].item() == layer.weight.abs().max().item()
 
     def test_not_inside_a_block(self, delayed):

@@ -749,3 +749,24 @@ class TestFuzz:
         event("outcome: refused")
         err = _refused(target, sd)
         assert any(key in str(err) for key in broken), (broken, str(err))
+
+
+def test_rows_are_saved_sorted_by_name_and_role_whatever_the_registration_order():
+    """Two managers that registered the same slots in other orders save identical dicts."""
+    dicts = []
+    for names in (["b", "a"], ["a", "b"]):
+        m = ss.ScalingStateManager(ss.DelayedScaling(history_len=2), backend="emulation")
+        for name in names:
+            m.register(name, roles=(ss.Role.WEIGHT, ss.Role.INPUT))
+        with m.forward():
+            for k, name in enumerate("ab"):
+                for j, role in enumerate((ss.Role.INPUT, ss.Role.WEIGHT)):
+                    m.handles[name].quantize(torch.full((2,), float(10 * k + j + 1)), role)
+        m.step()
+        dicts.append(m.state_dict())
+    assert dicts[0]["slots"] == [["a", "input"], ["a", "weight"], ["b", "input"], ["b", "weight"]]
+    assert dicts[0]["slots"] == dicts[1]["slots"]
+    for key in ("amax_history", "scale", "step_amax", "nonfinite_counts"):
+        assert torch.equal(dicts[0][key], dicts[1][key]), key
+    assert dicts[0]["amax_history"][:, -1].tolist() == [1.0, 2.0, 11.0, 12.0]
+
