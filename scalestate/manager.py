@@ -156,6 +156,11 @@ class ScalingStateManager:
         return self._state.checker is not None
 
     @property
+    def on_nonfinite(self) -> NonFinitePolicy:
+        """The non-finite policy (``"fallback"``: a step may zero a slot's history)."""
+        return self._on_nonfinite
+
+    @property
     def group(self) -> ProcessGroup | None:
         """The process group :meth:`step` reduces over now (``None``: no reduction)."""
         return self._reduction.group()

@@ -239,6 +239,11 @@ def _worker(rank: int, world: int, path: str) -> dict[str, Any]:
         out["bias_fp8"] = _fsdp(new(), rank, bf16=True, bias=True, fp8_all_gather=True)
         out["no_group_error"] = _no_group_error(rank)
         out["dcp"] = _dcp_roundtrip(rank, path)
+        out["fallback"] = _fallback(rank, fp8=False)
+        out["fallback_fp8"] = _fallback(rank, fp8=True)
+        state = out["fallback"]["after_poison"]
+        out["loaded"] = _loaded(rank, False, state)
+        out["loaded_fp8"] = _loaded(rank, True, state)
     return out
 
 
@@ -255,6 +260,65 @@ def _checkpointed(manager: ss.ScalingStateManager, rank: int) -> dict[str, Any]:
         fully_shard(model[i])
     fully_shard(model)
     return _train(manager, model, rank, phases=True)
+
+
+def _fallback(rank: int, fp8: bool) -> dict[str, Any]:
+    """on_nonfinite="fallback": step 2 sees an infinite weight (then restored), which zeroes the weight's history.
+
+    The layers are then scaled just in time again until a finite step: the FP8 all-gather
+    must reduce the shards' amaxes again, so that every rank casts with one scale.
+    """
+    m = ss.ScalingStateManager(RECIPE, backend="emulation", on_nonfinite="fallback")
+    model = _shard(_model(m, fp8_all_gather=fp8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probes, cleared, after_poison = [], None, None
+    for k in range(4):
+        saved = [p.detach().clone() for p in model.parameters()]
+        if k == 2:
+            with torch.no_grad():
+                model[0].weight.add_(float("inf"))
+        model(_batch(rank, k)).float().square().mean().backward()
+        with torch.no_grad():
+            if k == 2:  # a skipped optimizer step: the good weights back
+                for p, good in zip(model.parameters(), saved, strict=True):
+                    p.copy_(good)
+            else:
+                opt.step()
+        opt.zero_grad()
+        m.step()
+        if k == 2:
+            cleared = m.handles["0"].amax_history(ss.Role.WEIGHT)
+            after_poison = m.state_dict()
+        probes.append(_probe(model))
+    sd = m.state_dict()
+    return {
+        "probes": torch.stack(probes),
+        "cleared": cleared,
+        "history": sd["amax_history"],
+        "scale": sd["scale"],
+        "slots": sd["slots"],
+        "after_poison": after_poison,
+    }
+
+
+def _loaded(rank: int, fp8: bool, state: dict[str, Any]) -> dict[str, Any]:
+    """A state without the weight's history, loaded at the manager's own iteration, after a cached cast."""
+    m = ss.ScalingStateManager(RECIPE, backend="emulation")
+    model = _train_plain(m, rank, fp8, steps=state["iteration"])
+    before = _probe(model)  # the slot has history: gathered with its scale, cast cached
+    m.load_state_dict(state)
+    return {"before": before, "after": _probe(model)}
+
+
+def _train_plain(manager: ss.ScalingStateManager, rank: int, fp8: bool, steps: int) -> nn.Module:
+    model = _shard(_model(manager, fp8_all_gather=fp8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for k in range(steps):
+        model(_batch(rank, k)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        manager.step()
+    return model
 
 
 def _no_group_error(rank: int) -> str:
@@ -389,6 +453,25 @@ class TestFP8AllGather:
             # E4M3 keeps 3 mantissa bits: relative error <= 2**-4 (values far above the subnormal range)
             torch.testing.assert_close(values, plain_values, rtol=2**-4, atol=1e-6)
             assert not torch.equal(values, plain_values)
+
+
+class TestHistoryLost:
+    def test_fallback_step_gathers_with_one_scale(self, two):
+        """After a fallback step zeroed the weight's history, all ranks cast their shards with one scale."""
+        for r in two:
+            assert not r["fallback_fp8"]["cleared"].any()  # the comparison means something: history gone
+            assert torch.equal(r["fallback_fp8"]["probes"], two[0]["fallback_fp8"]["probes"])
+            assert torch.equal(r["fallback_fp8"]["probes"], r["fallback"]["probes"])
+            _same_state(r["fallback_fp8"], r["fallback"])
+            _same_state(r["fallback_fp8"], two[0]["fallback_fp8"])
+
+    def test_load_without_history_at_the_same_iteration(self, two):
+        """A loaded state whose weight slot has no history (same iteration, casts cached): one scale again."""
+        for r in two:
+            assert not torch.equal(r["loaded"]["before"], r["loaded"]["after"])
+            for key in ("before", "after"):
+                assert torch.equal(r["loaded_fp8"][key], two[0]["loaded_fp8"][key])
+                assert torch.equal(r["loaded_fp8"][key], r["loaded"][key])
 
 
 class TestCheckpoint:

@@ -202,6 +202,22 @@ def _direct(rank: int, world: int, mesh: Any) -> dict[str, Any]:
         ss.nn.linear(dt(x_nan, Shard(1)), dt(nan_layer.weight.detach(), Shard(1)), None, nan_layer.handle)
     sd = m.state_dict()
     out["nan_amax"] = sd["step_amax"][[tuple(s) for s in sd["slots"]].index(("nan", "input"))]
+    # A replicated DTensor weight stepped by a foreach optimizer (torch bumps no version counter
+    # of a DTensor there) between two casts of one scale epoch: the second cast sees the new values.
+    rep = ss.nn.Linear(8, 4, bias=False, manager=m, name="rep")
+    rep.weight = nn.Parameter(dt(rep.weight.detach(), Replicate()))
+    xr = dt(x, Shard(0))
+    with torch.no_grad():
+        first = ss.nn.linear(xr, rep.weight, None, rep.handle).full_tensor()
+    rep.weight.grad = dt(torch.ones(4, 8), Replicate())
+    torch.optim.SGD([rep.weight], lr=0.5, foreach=True).step()
+    with torch.no_grad():
+        second = ss.nn.linear(xr, rep.weight, None, rep.handle).full_tensor()
+    fresh_m = ss.ScalingStateManager(RECIPES["delayed"], backend="emulation", group=None)
+    fresh = ss.nn.Linear(8, 4, bias=False, manager=fresh_m, name="rep")
+    with torch.no_grad():
+        fresh.weight.copy_(rep.weight.full_tensor())
+        out["replicated_stepped"] = (first, second, fresh(x))
     for name, (xd, wd, bd) in bad.items():
         try:
             ss.nn.linear(xd, wd, bd, layer.handle)
@@ -345,6 +361,13 @@ class TestDirectCalls:
         for name, (_, value) in got.items():
             unsharded = ranks[0]["direct"]["unsharded_nobias" if name == "row_nobias" else "unsharded"]
             torch.testing.assert_close(value, unsharded, rtol=1e-6, atol=1e-6, msg=name)
+
+    def test_replicated_weight_never_stale(self, ranks):
+        """A foreach optimizer step on a replicated DTensor weight within one scale epoch: the next cast sees it."""
+        for rank in ranks:
+            first, second, fresh = rank["direct"]["replicated_stepped"]
+            assert not torch.equal(first, second)
+            assert torch.equal(second, fresh)
 
     @pytest.mark.parametrize(
         ("case", "words"),

@@ -338,6 +338,46 @@ class TestFP8AllGatherWithoutFSDP:
             after = layer(x)
         assert not torch.equal(before, after)
 
+    @pytest.mark.parametrize(
+        "edit",
+        [
+            pytest.param(lambda w: w.__setitem__((0, 0), 5.0), id="w[0,0]=5"),
+            pytest.param(lambda w: w[0].mul_(3.0), id="w[0]"),
+            pytest.param(lambda w: w[:, :3].fill_(0.25), id="w[:,:k]"),
+            pytest.param(lambda w: w.t().mul_(-2.0), id="w.t()"),
+            pytest.param(lambda w: w.view(-1).__setitem__(1, 7.0), id="w.view(-1)"),
+            pytest.param(lambda w: w.narrow(0, 1, 2).zero_(), id="w.narrow"),
+            pytest.param(lambda w: w.t()[2].add_(1.0), id="w.t()[2]"),
+            pytest.param(lambda w: w.detach()[1].sub_(1.0), id="w.detach()[1]"),
+        ],
+    )
+    def test_writes_through_views_invalidate_the_weight_cast(self, edit):
+        """A write through any view of the wrapped weight is seen by the next forward, as with a plain weight."""
+        outs = []
+        for fp8_all_gather in (True, False):
+            m = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+            torch.manual_seed(0)
+            layer = ss.nn.Linear(8, 4, manager=m, name="fc", fp8_all_gather=fp8_all_gather)
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                before = layer(x)  # caches the weight cast
+                edit(layer.weight)
+                after = layer(x)
+            outs.append((before, after, layer.weight.detach().clone()))
+        (before, after, weight), (plain_before, plain_after, plain_weight) = outs
+        assert torch.equal(weight, plain_weight) and torch.equal(before, plain_before)
+        assert not torch.equal(before, after)
+        assert torch.equal(after, plain_after)  # the same fresh cast as a plain weight's
+
+    def test_views_keep_the_weights_type_and_values(self, delayed):
+        """Views of the wrapped weight are wrappers too, over the same values; other ops give plain tensors."""
+        layer = ss.nn.Linear(8, 4, manager=delayed, name="fc", fp8_all_gather=True)
+        w = layer.weight.detach()
+        for view in (w[0], w.t(), w[:, :3], w.view(-1), w.unbind(0)[1]):
+            assert isinstance(view, ss.nn.fsdp.FP8AllGatherWeight)
+        assert torch.equal(w.t().clone(), w.clone().t())
+        assert type(w + 1) is torch.Tensor and type(w.t() @ w) is torch.Tensor
+
     def test_weight_is_a_tensor_everywhere(self, delayed):
         """The wrapped weight keeps torch.nn.Linear's state_dict keys and loads plain checkpoints."""
         ref = torch.nn.Linear(8, 4)

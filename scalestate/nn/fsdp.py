@@ -68,20 +68,15 @@ _aten = torch.ops.aten
 
 #: Ops after which the result is still the (sharded) FP8-all-gather weight: the
 #: ones FSDP uses to shard, pad and move it, and ``to_empty``'s ``empty_like``.
+#: Every view op and ``copy_`` keep it too, over the same root (see ``__torch_dispatch__``).
 _KEEP_SUBCLASS = frozenset(
     {
         _aten.empty_like.default,
         _aten.new_zeros.default,
         _aten.new_empty.default,
-        _aten.slice.Tensor,
-        _aten.copy_.default,
-        _aten.view.default,
-        _aten.as_strided.default,
         _aten._to_copy.default,
         _aten._pin_memory.default,
-        _aten.split.Tensor,
         _aten.clone.default,
-        _aten.alias.default,
     }
 )
 
@@ -101,17 +96,24 @@ class FP8AllGatherWeight(torch.Tensor):
 
     .. warning:: Under delayed scaling, until the WEIGHT slot has history,
        each new shard cast reads the slot's newest history entry on the host:
-       a device sync on GPUs, in the first step only.
+       a device sync on GPUs, in the first step only (and after a
+       ``load_state_dict``). Under ``on_nonfinite="fallback"``, where a step
+       may zero the history, it is read once per step.
     """
 
     _tensor: Tensor
+    #: The tensor whose version counts every write to the weight: ``_tensor`` itself, or, for
+    #: a view of another wrapper, that wrapper's root (a write through any view bumps it).
+    _root: Tensor
     _handle: ScalingHandle
     #: (key, source) of the last shard cast source (see _source).
     _source_memo: tuple[tuple[Any, ...], Tensor] | None
-    #: manager.iteration at which the WEIGHT slot was seen with history.
-    _history_seen_at: int | None
+    #: manager.iteration at which the WEIGHT slot was last known to have history.
+    _history_known_at: int | None
+    #: (manager.iteration, source, cast) of the last shard cast (to see the cast cache miss).
+    _last_cast: tuple[int, Tensor, Quantized] | None
 
-    def __new__(cls, tensor: Tensor, handle: ScalingHandle) -> FP8AllGatherWeight:
+    def __new__(cls, tensor: Tensor, handle: ScalingHandle, root: Tensor | None = None) -> FP8AllGatherWeight:
         out: FP8AllGatherWeight = torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
@@ -124,11 +126,13 @@ class FP8AllGatherWeight(torch.Tensor):
         )
         return out
 
-    def __init__(self, tensor: Tensor, handle: ScalingHandle) -> None:
+    def __init__(self, tensor: Tensor, handle: ScalingHandle, root: Tensor | None = None) -> None:
         self._tensor = tensor
+        self._root = tensor if root is None else root
         self._handle = handle
         self._source_memo = None
-        self._history_seen_at = None
+        self._history_known_at = None
+        self._last_cast = None
 
     @property
     def handle(self) -> ScalingHandle:
@@ -147,13 +151,20 @@ class FP8AllGatherWeight(torch.Tensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         handles = [a._handle for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, FP8AllGatherWeight)]
+        base = args[0] if args and isinstance(args[0], FP8AllGatherWeight) else None
         if func is _aten.detach.default:
-            return FP8AllGatherWeight(args[0]._tensor, handles[0])
+            return FP8AllGatherWeight(args[0]._tensor, handles[0], args[0]._root)
         plain_args, plain_kwargs = pytree.tree_map_only(
             FP8AllGatherWeight, lambda t: t._tensor, (tuple(args), kwargs or {})
         )
         out = func(*plain_args, **plain_kwargs)
         _count_writes(func, args, kwargs or {})
+        if func.is_view or func is _aten.copy_.default:
+            # A view (w[0], w.t(), w[:, :k], w.view(-1), ...) is a wrapper over the same root: the
+            # op on the wrapped tensor ran below autograd, where its result shares no version
+            # counter with it, so a write through the view must come back here to bump the root's.
+            root = base._root if base is not None else None
+            return pytree.tree_map_only(Tensor, lambda t: FP8AllGatherWeight(t, handles[0], root), out)
         if func not in _KEEP_SUBCLASS:
             return out
         return pytree.tree_map_only(Tensor, lambda t: FP8AllGatherWeight(t, handles[0]), out)
@@ -193,6 +204,19 @@ class FP8AllGatherWeight(torch.Tensor):
         dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else local.dtype
         source = self._source(mesh, dtype, padded_rows)
         q = self._handle.quantize(source, Role.WEIGHT)
+        iteration = self._handle.manager.iteration
+        last = self._last_cast
+        if last is not None and last[0] == iteration and last[1] is source and last[2] is not q:
+            # The cast cache missed with no step in between: the scale epoch changed
+            # (load_state_dict, discard_step, invalidate_casts, to()), and a load may have
+            # replaced the histories. Read the slot's history again; if that changes whether
+            # the slot is scaled just in time, the source (and the cast) must change too.
+            self._history_known_at = None
+            renewed = self._source(mesh, dtype, padded_rows)
+            if renewed is not source:
+                source = renewed
+                q = self._handle.quantize(source, Role.WEIGHT)
+        self._last_cast = (iteration, source, q)
         data = q.data[:-1].view(padded_rows, *outer_size[1:])
         # Gathered as bytes: every process-group backend takes uint8 (not all take float8).
         return (data.view(torch.uint8),), (q.data.dtype, q.scale, q.scale_inv, source)
@@ -230,7 +254,7 @@ class FP8AllGatherWeight(torch.Tensor):
         """
         local = self._tensor
         jit = self._scaled_just_in_time()
-        key = (local._version, local.data_ptr(), dtype, padded_rows, jit)
+        key = (self._root._version, local._version, local.data_ptr(), dtype, padded_rows, jit)
         memo = self._source_memo
         if memo is not None and memo[0] == key:
             return memo[1]
@@ -251,19 +275,28 @@ class FP8AllGatherWeight(torch.Tensor):
         """Whether the WEIGHT slot's next cast scales from the tensor (no history yet).
 
         The same answer on every rank: histories are reduced. Reads the slot's
-        newest history entry until it is non-zero (a host read: a device sync
-        on GPUs, once per step until the first step has run), then trusts it
-        for every later iteration (history, once there, is kept by every step).
+        newest history entry on the host (a device sync on GPUs) until it is
+        non-zero, then trusts it while the slot cannot have lost its history:
+        within an iteration, and across one step unless the manager's policy
+        is ``on_nonfinite="fallback"`` (whose non-finite steps zero histories).
+        It reads again after any other change of ``manager.iteration`` (a
+        ``load_state_dict``) and after a load at the same iteration
+        (:meth:`fsdp_pre_all_gather` sees the cast cache miss).
         """
         manager = self._handle.manager
         if not manager.recipe.delayed:
             return True
-        seen = self._history_seen_at
-        if seen is not None and manager.iteration >= seen:
+        iteration = manager.iteration
+        known = self._history_known_at
+        if known is not None and (
+            iteration == known or (iteration == known + 1 and manager.on_nonfinite != "fallback")
+        ):
+            self._history_known_at = iteration
             return False
         if float(self._handle.amax_history(Role.WEIGHT)[-1]) > 0:
-            self._history_seen_at = manager.iteration
+            self._history_known_at = iteration
             return False
+        self._history_known_at = None
         return True
 
 
@@ -294,14 +327,17 @@ def _count_writes(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Non
     An op on a wrapper runs on the wrapped tensor below autograd, where torch
     bumps no version counter; the weight-cast cache (and the shard cast
     source) relies on the wrapped tensor's version to see optimizer steps.
+    A write through a view bumps its root's counter as well.
     """
     for i, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(argument.name)
         for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, FP8AllGatherWeight) and not t._tensor.is_inference():
-                torch.autograd.graph.increment_version(t._tensor)
+            if isinstance(t, FP8AllGatherWeight):
+                for written in (t._tensor, t._root) if t._root is not t._tensor else (t._tensor,):
+                    if not written.is_inference():
+                        torch.autograd.graph.increment_version(written)
 
 
 class GatheredFP8Weight(torch.Tensor):

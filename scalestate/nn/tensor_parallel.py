@@ -22,7 +22,7 @@ then decides the cast's scale from that amax exactly as for the whole tensor:
 the slot's scale once it has history (delayed scaling), else just in time
 from the global amax. It records the global amax, so TP ranks' scales agree
 whatever group the manager reduces over. Replicated tensors are cast by the
-manager directly (nothing to reduce; weight casts stay cached).
+manager directly (nothing to reduce).
 
 Supported placements, per mesh dimension (input, weight):
 
@@ -42,8 +42,13 @@ dimension only, so that the reduced sum holds it once, exactly.
 the sum's, so it cannot be cast before it is reduced.
 
 Costs: a sharded cast reads its shard once more (for the amax) and issues one
-two-float all-reduce per sharding mesh dimension; a sharded weight is cast at
-every call (the manager's cast cache serves replicated weights only).
+two-float all-reduce per sharding mesh dimension; every DTensor weight,
+sharded or replicated, is cast at every call. The manager's weight-cast cache
+keys on the tensor and its version counter, and a DTensor has no stable
+tensor whose version follows in-place updates: ``to_local()`` returns a new
+view at each call, and torch (2.13) bumps neither the DTensor's version nor
+its local tensor's when a ``foreach`` or ``fused`` optimizer steps it, so a
+cached cast could go stale unseen.
 """
 
 from __future__ import annotations
