@@ -27,7 +27,8 @@ class TestRegister:
         delayed.register("b")
         sd = delayed.state_dict()
         assert sd["amax_history"].shape == (5, 4) and sd["scale"].shape == (5,) and sd["step_amax"].shape == (5,)
-        assert sd["slots"] == [["a", "input"], ["a", "weight"], ["b", "input"], ["b", "weight"], ["b", "grad_output"]]
+        assert delayed.slots == (("a", I), ("a", W), ("b", I), ("b", W), ("b", G))  # the buffers' rows
+        assert sd["slots"] == [["a", "input"], ["a", "weight"], ["b", "grad_output"], ["b", "input"], ["b", "weight"]]
         assert delayed.capacity >= 5
 
     def test_growth_keeps_values(self, delayed):

@@ -330,7 +330,7 @@ class TestStrictValues:
         m, _ = _trained()
         sd = m.state_dict()
         sd[key][3] = value
-        err = _refused(m, sd, rf"{key}\[3(, 0)?\] \(slot 'out' role 'input'\) is ")
+        err = _refused(m, sd, rf"{key}\[3(, 0)?\] \(slot 'out' role 'grad_output'\) is ")
         assert "corrupt" in str(err)
 
     def test_subnormal_scale_motivation(self):
@@ -443,7 +443,7 @@ class TestStrictSlots:
         m, _ = _trained()
         sd = m.state_dict()
         sd["slots"][4] = sd["slots"][1]
-        _refused(m, sd, r"slots\[4\]: slot 'fc' role 'weight' appears twice in the state dict \(also slots\[1\]\)")
+        _refused(m, sd, r"slots\[4\]: slot 'fc' role 'input' appears twice in the state dict \(also slots\[1\]\)")
 
     @pytest.mark.parametrize(
         "slots",
@@ -467,7 +467,7 @@ class TestStrictSlots:
         m, _ = _trained()
         sd = m.state_dict()
         sd["slots"][0] = ["fc2", "input"]
-        _refused(m, sd, r"missing from the state dict \[fc:INPUT\]; not registered here \[fc2:INPUT\]")
+        _refused(m, sd, r"missing from the state dict \[fc:GRAD_OUTPUT\]; not registered here \[fc2:INPUT\]")
 
 
 # ----------------------------------------------------------------------------- fuzz
