@@ -18,10 +18,23 @@ naming the slots and the ranks that have them, so that a mismatch is an
 error everywhere instead of a hang or silently mixed rows. Slots registered
 with ``reduce=False`` (experts that differ per rank) take no part.
 
+The all-reduce also carries two flags: "my slots changed since the last
+agreement" and "my ``step()`` refused this step" (a local ``PhaseError``), so
+that every rank issues the same collectives whatever happened on one. On
+the CPU every rank reads them (free): a rank that registered slots after the
+first step makes every rank agree again, raising ``SlotMismatchError``
+everywhere if the others did not register them too; a refusal on one rank
+becomes a ``ReductionError`` on the others. On a GPU reading them would sync
+every step, so a rank reads them only when it set one: registering slots
+after the first step must then happen on every rank alike, and one rank's
+refusal reaches the others only as the timeout below.
+
 A rank that dies, raises before ``step()`` or never calls it makes the
 collective fail on the others within the group's timeout; the failure is
 raised as :class:`~scalestate.errors.ReductionError` naming the step and the
-group.
+group. (With NCCL, a failed collective may instead abort the process through
+its watchdog, as NCCL does for any collective; set ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+as your job needs.)
 """
 
 from __future__ import annotations
@@ -126,6 +139,8 @@ class Reduction:
         self._spec = spec
         #: (group, number of slots) the slot lists were last agreed for.
         self._agreed: tuple[object, int] | None = None
+        #: Reduced slots at the last agreement (the rows of the all-reduce).
+        self._count = 0
         #: Rows of the reduced slots in (name, role) order; None: every row, in row order.
         self._rows: Tensor | None = None
 
@@ -152,36 +167,69 @@ class Reduction:
         """The group reduced over now (``None``: no reduction)."""
         return resolve_group(self._spec)
 
-    def reduce(self, state: State, recipe: dict[str, Any]) -> Tensor | None:
+    def reduce(self, state: State, recipe: dict[str, Any], *, refused: bool = False) -> Tensor | None:
         """Every slot's step amax, max-reduced across the group by one collective (rank-local
         slots keep their own): a new ``[N]`` tensor, or ``None`` where there is nothing to
-        reduce (no group, one rank). The state itself is not changed.
+        reduce (no group, one rank) or this rank ``refused`` the step. The state is not changed.
 
-        The first call after the slot set changed first agrees on the slots
-        (and the recipe) with every rank of the group.
+        The collective also carries two flags, max-reduced: "my slots changed since the
+        last agreement" and "I refused this step" (its ``step()`` raised before the
+        reduction), so that every rank issues the same collectives whatever happened on
+        one. Reading them back is free on the CPU; on a GPU it would sync, so there a
+        rank reads them only when it set one itself (see the module docstring).
+
+        Raises:
+            SlotMismatchError: (every rank) the slot sets differ, at the first step on the
+                group, or (CPU) at the first step after any rank registered more slots.
+            ReductionError: the collective failed, or (CPU) another rank refused the step.
         """
         group = self.group()
         if group is None or dist.get_world_size(group) == 1:
             return None
-        if self._agreed != (group, len(state)):
+        if self._agreed is None or self._agreed[0] is not group:
+            self._agree(state, recipe, group)  # the first step on this group, on every rank
+        reduced, changed_anywhere = self._all_reduce(state, group, refused)
+        if changed_anywhere:  # new slots somewhere: agree on them, then reduce them too
             self._agree(state, recipe, group)
-            self._agreed = (group, len(state))
+            reduced, _ = self._all_reduce(state, group, refused)
+        return reduced
+
+    def _all_reduce(self, state: State, group: ProcessGroup, refused: bool) -> tuple[Tensor | None, bool]:
+        """The one all-reduce: ``(reduced step amaxes or None, whether any rank's slots changed)``."""
+        assert self._agreed is not None
+        agreed_len, count = self._agreed[1], self._count
         step_amax = state.step_amax
         rows = self._rows
         if rows is not None and rows.device != step_amax.device:
             rows = self._rows = rows.to(step_amax.device)
-        flat = step_amax if rows is None else step_amax.index_select(0, rows)
-        if flat.numel() == 0:
-            return None
+        flat = step_amax[:count] if rows is None else step_amax.index_select(0, rows)
+        changed = len(state) != agreed_len
+        flags = flat.new_zeros(2)
+        if changed:
+            flags[0] = 1.0
+        if refused:
+            flags[1] = 1.0
         # An all-reduce MAX may drop a NaN (gloo keeps one only where the first rank holds it):
         # a NaN travels as +inf beside a flag, in the same collective, and is restored after it,
         # so that the non-finite policy sees it on every rank alike.
         nan = torch.isnan(flat)
-        packed = torch.cat([torch.where(nan, float("inf"), flat), nan.to(flat.dtype)])
+        packed = torch.cat([torch.where(nan, float("inf"), flat), nan.to(flat.dtype), flags])
         self._collective(lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group), state, group)
-        n = flat.numel()
-        reduced = torch.where(packed[n:] > 0, float("nan"), packed[:n])
-        return reduced if rows is None else step_amax.index_copy(0, rows, reduced)
+        changed_anywhere = refused_anywhere = False
+        if changed or refused or step_amax.device.type == "cpu":
+            changed_anywhere, refused_anywhere = (bool(v > 0) for v in packed[2 * count :].tolist())
+        if refused:
+            return None, False
+        if refused_anywhere:
+            raise ReductionError(
+                f"step {state.iteration}: another rank of {describe_group(group)} refused this step "
+                "(its step() raised before the reduction), so no rank's state changed. Fix the cause "
+                "that rank reports, then call step() again on every rank, or discard_step() on every rank"
+            )
+        reduced = torch.where(packed[count : 2 * count] > 0, float("nan"), packed[:count])
+        if rows is not None:
+            return step_amax.index_copy(0, rows, reduced), changed_anywhere
+        return (reduced if count == len(state) else torch.cat([reduced, step_amax[count:]])), changed_anywhere
 
     def _agree(self, state: State, recipe: dict[str, Any], group: ProcessGroup) -> None:
         reduced = [s for s in state.slots if s.reduce]
@@ -191,8 +239,10 @@ class Reduction:
         self._collective(lambda: dist.all_gather_object(gathered, mine, group=group), state, group)
         ranks = dist.get_process_group_ranks(group)
         _check_agreement(gathered, ranks, dist.get_rank(), group)
-        in_order = len(keyed) == len(state) and all(s.row == i for i, s in enumerate(keyed))
+        in_order = all(s.row == i for i, s in enumerate(keyed))
         self._rows = None if in_order else torch.tensor([s.row for s in keyed], device=state.device)
+        self._count = len(keyed)
+        self._agreed = (group, len(state))
 
     @staticmethod
     def _collective(run: Any, state: State, group: ProcessGroup) -> None:
@@ -204,8 +254,9 @@ class Reduction:
             raise ReductionError(
                 f"step {state.iteration}: the cross-rank reduction of the step amaxes over "
                 f"{describe_group(group)} failed: {str(e).strip()[:500]}. Another rank of the group "
-                "died, raised before step(), or did not call step() within the group's timeout: "
-                "every rank must call manager.step() once per optimizer step"
+                "died, raised before step(), or did not call step() within the group's timeout "
+                "(on a GPU, a rank that registered slots after the first step while the others did "
+                "not has the same effect): every rank must call manager.step() once per optimizer step"
             ) from e
 
 

@@ -318,7 +318,11 @@ class ScalingStateManager:
         )
         policy = self._on_nonfinite
         try:
-            self._check_forward_recorded()
+            try:
+                self._check_forward_recorded()
+            except PhaseError:
+                self._reduction.reduce(st, self._recipe_dict, refused=True)  # the other ranks learn it: no hang
+                raise
             reduced = self._reduction.reduce(st, self._recipe_dict)
             if policy == "raise":
                 refuse_nonfinite(st, st.step_amax if reduced is None else reduced)

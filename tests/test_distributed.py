@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 import scalestate as ss
-from scalestate.errors import ReductionError, ScaleStateError, SlotMismatchError
+from scalestate.errors import PhaseError, ReductionError, ScaleStateError, SlotMismatchError
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 RECIPES = {"delayed": ss.DelayedScaling(history_len=4), "current": ss.CurrentScaling()}
@@ -227,6 +227,70 @@ def test_mismatched_slots_raise_on_every_rank_without_a_hang():
         assert "different recipes" in r["recipe"] and "'history_len': 5" in r["recipe"]
         for case in ("slots", "extra", "recipe"):
             assert float(r[case + "_seconds"]) < 5.0  # an answer, not a timeout
+
+
+def _late_worker(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # Slots registered after the first step on one rank only: an error everywhere, not a hang.
+    m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    h = m.register("a", roles=(I,))
+    with m.forward():
+        h.quantize(torch.ones(2), I)
+    m.step()
+    if rank == 1:
+        m.register("late", roles=(I,))
+    start = time.monotonic()
+    try:
+        m.step()
+    except SlotMismatchError as e:
+        out["one_error"], out["one_seconds"] = str(e), time.monotonic() - start
+    # The same slots registered late on every rank: agreed again and reduced in that very step.
+    m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    h = m.register("a", roles=(I,))
+    with m.forward():
+        h.quantize(torch.ones(2), I)
+    m.step()
+    late = m.register("late", roles=(I,))
+    with m.forward():
+        late.quantize(torch.full((2,), float(rank + 1)), I)
+    _, out["all_collectives"] = collectives(m.step)
+    out["all_history"] = late.amax_history(I)
+    _, out["after_collectives"] = collectives(m.step)
+    # One rank's step refused by a PhaseError: the others learn it at once, and all recover.
+    m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    h = m.register("fc", roles=(I, G))
+    with m.forward() if rank == 1 else torch.no_grad():  # rank 0: its forward counted as evaluation
+        h.quantize(torch.ones(2), I)
+    h.quantize(torch.ones(2), G)
+    start = time.monotonic()
+    try:
+        m.step()
+    except (PhaseError, ReductionError) as e:
+        out["refused_error"] = f"{type(e).__name__}: {e}"
+    out["refused_seconds"] = time.monotonic() - start
+    m.discard_step()
+    with m.forward():
+        h.quantize(torch.full((2,), float(rank + 1)), I)
+    m.step()
+    out["recovered_history"] = h.amax_history(I)
+    return out
+
+
+def test_late_registration_and_refusals_never_hang():
+    results = run_ranks(_late_worker, 2)
+    for rank, r in enumerate(results):
+        assert "'late' INPUT on ranks [1], not on [0]" in r["one_error"] and r["one_seconds"] < 5.0
+        # the one all-reduce (flag raised), the agreement on the new slots, their reduction
+        assert r["all_collectives"] == ["gloo:all_reduce", "gloo:all_gather", "gloo:all_gather", "gloo:all_reduce"]
+        assert r["all_history"][-1].item() == 2.0
+        assert r["after_collectives"] == ["gloo:all_reduce"]
+        expected = "PhaseError" if rank == 0 else "ReductionError"
+        assert r["refused_error"].startswith(expected), r["refused_error"]
+        assert r["refused_seconds"] < 5.0
+        assert r["recovered_history"][-1].item() == 2.0
+    assert "another rank of group" in results[1]["refused_error"] and "discard_step() on every rank" in results[1][
+        "refused_error"
+    ]
 
 
 # ------------------------------------------------------------------ failures
