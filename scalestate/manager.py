@@ -16,12 +16,13 @@ from scalestate.casting import Caster
 from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
 from scalestate.errors import PhaseError, ScaleStateError, SlotError
 from scalestate.handle import ScalingHandle
-from scalestate.nonfinite import NONFINITE_POLICIES, NonFinitePolicy, refuse_nonfinite
+from scalestate.nonfinite import NONFINITE_POLICIES, NonFinitePolicy
 from scalestate.persist import recipe_to_dict, to_state_dict, validate
 from scalestate.phase import Phase
 from scalestate.quantized import Quantized
-from scalestate.recipe import CurrentScaling, DelayedScaling, Direction, Recipe, Role, fp8_max
+from scalestate.recipe import CurrentScaling, DelayedScaling, Recipe, Role, fp8_max
 from scalestate.state import Slot, State
+from scalestate.stepping import run_step
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -316,24 +317,11 @@ class ScalingStateManager:
         st.phases.require_no_block(
             "step()", "call step() once per optimizer step, after the forward and backward blocks have closed"
         )
-        policy = self._on_nonfinite
         try:
-            try:
-                self._check_forward_recorded()
-            except PhaseError:
-                self._reduction.reduce(st, self._recipe_dict, refused=True)  # the other ranks learn it: no hang
-                raise
-            reduced = self._reduction.reduce(st, self._recipe_dict)
-            if policy == "raise":
-                refuse_nonfinite(st, st.step_amax if reduced is None else reduced)
+            run_step(st, self._reduction, self.backend, self._recipe_dict, self._rule, self._on_nonfinite)
         except ScaleStateError:
             self._refused = True
             raise
-        if reduced is not None:
-            st.step_amax.copy_(reduced)
-        self.backend.update(st.step_update(self._rule, count=policy != "raise", forget=policy == "fallback"))
-        st.freeze()
-        st.end_step(histories_may_vanish=policy == "fallback")
         st.phases.phase = Phase.IDLE
         self._refused = False
 
@@ -364,17 +352,6 @@ class ScalingStateManager:
         for slot in st.slots:
             out[slot.name][slot.role] = int(counts[slot.row])
         return out
-
-    def _check_forward_recorded(self) -> None:
-        st = self._state
-        for name in st.backward_only():
-            if any(role.direction is Direction.FORWARD for role in self._handles[name].roles):
-                raise PhaseError(
-                    f"slot {name!r} was cast for GRAD_OUTPUT in this step, but none of its forward "
-                    "casts was recorded: they ran with grad disabled and no phase set, so they "
-                    "counted as evaluation. Run the training forward inside "
-                    "`with manager.forward():` (or after begin_forward())"
-                )
 
     # ----------------------------------------------------------------- casts
     def _cast(self, slot: Slot, x: Tensor, transpose: bool) -> Quantized:
