@@ -63,7 +63,7 @@ from scalestate.demo.model import TinyLM
 from scalestate.demo.train import DemoConfig
 from scalestate.errors import ScaleStateError
 
-_ROLES = ("input", "weight", "grad_output")  # ss.Role values, as state_dict()["slots"] names them
+_ROLES = ("input", "weight", "grad_output")  # ss.Role values
 
 
 @attrs.define
@@ -93,7 +93,7 @@ class CastCounter:
         self.counts = {role: _RoleCounts() for role in (*_ROLES, "unknown")}
         #: ``False`` while evaluating: casts pass through uncounted.
         self.enabled = True
-        self._slot_roles: list[str] = [str(role) for _, role in manager.state_dict()["slots"]]
+        self._slot_roles: list[str] = [role.value for _, role in manager.slots]  # the buffers' row order
         backend = manager.backend
         self._cast: Callable[[CastRequest], ss.Quantized] = backend.cast
         backend.cast = self._counting_cast  # type: ignore[method-assign]  # instance patch, this script only
@@ -232,12 +232,18 @@ def main() -> int:
         help="FP8 scaling: ss.DelayedScaling (default) or ss.CurrentScaling",
     )
     parser.add_argument(
+        "--eval-batches", type=int, default=16,
+        help="held-out batches of 16 sequences per evaluation (default 16; the demo uses 4, a noisy estimate)",
+    )
+    parser.add_argument(
         "--target", type=float, default=1.0,
         help="PASS if the final held-out FP8 loss is within this %% of fp32's (default 1.0)",
     )
     args = parser.parse_args()
-    if args.steps < 1 or args.every < 1:
-        parser.error(f"--steps and --every must be >= 1; got {args.steps} and {args.every}")
+    if args.steps < 1 or args.every < 1 or args.eval_batches < 1:
+        parser.error(
+            f"--steps, --every and --eval-batches must be >= 1; got {args.steps}, {args.every}, {args.eval_batches}"
+        )
     recipe: Literal["delayed", "current"] = args.recipe
     cfg = DemoConfig(steps=args.steps, backend=args.backend, recipe=recipe)
     try:
@@ -255,7 +261,7 @@ def main() -> int:
         train_tokens, steps=cfg.steps, batch=cfg.microbatches * cfg.microbatch_size,
         seq_len=cfg.seq_len, seed=cfg.seed + 1,
     )
-    val = batches(val_tokens, steps=4, batch=16, seq_len=cfg.seq_len, seed=cfg.seed + 2)  # the demo's
+    val = batches(val_tokens, steps=args.eval_batches, batch=16, seq_len=cfg.seq_len, seed=cfg.seed + 2)
 
     n_params = sum(p.numel() for p in fp32.model.parameters())
     print(
