@@ -54,7 +54,31 @@ if TYPE_CHECKING:
 
     from scalestate.state import State
 
-__all__ = ["DEFAULT_GROUP", "GroupSpec", "Reduction", "describe_group", "resolve_group"]
+__all__ = [
+    "DEFAULT_GROUP",
+    "GroupSpec",
+    "Reduction",
+    "describe_group",
+    "nan_as_flags",
+    "nan_from_flags",
+    "resolve_group",
+]
+
+
+def nan_as_flags(values: Tensor) -> Tensor:
+    """``[values with NaN as +inf, 1.0 where NaN else 0.0]`` (``2n`` floats, ``values`` 1-d).
+
+    An all-reduce MAX may drop a NaN (gloo keeps one only where the first rank
+    holds it); a MAX of this encoding keeps it, and :func:`nan_from_flags`
+    restores it, so every rank sees the NaN a max over the whole would give.
+    """
+    nan = torch.isnan(values)
+    return torch.cat([torch.where(nan, float("inf"), values), nan.to(values.dtype)])
+
+
+def nan_from_flags(packed: Tensor, n: int) -> Tensor:
+    """The ``n`` values of a (reduced) :func:`nan_as_flags` encoding, NaN restored where flagged."""
+    return torch.where(packed[n : 2 * n] > 0, float("nan"), packed[:n])
 
 
 class _Default(enum.Enum):
@@ -209,11 +233,8 @@ class Reduction:
             flags[0] = 1.0
         if refused:
             flags[1] = 1.0
-        # An all-reduce MAX may drop a NaN (gloo keeps one only where the first rank holds it):
-        # a NaN travels as +inf beside a flag, in the same collective, and is restored after it,
-        # so that the non-finite policy sees it on every rank alike.
-        nan = torch.isnan(flat)
-        packed = torch.cat([torch.where(nan, float("inf"), flat), nan.to(flat.dtype), flags])
+        # NaN rides as +inf beside a flag, so that the non-finite policy sees it on every rank alike.
+        packed = torch.cat([nan_as_flags(flat), flags])
         self._collective(lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group), state, group)
         changed_anywhere = refused_anywhere = False
         if changed or refused or step_amax.device.type == "cpu":
@@ -226,7 +247,7 @@ class Reduction:
                 "(its step() raised before the reduction), so no rank's state changed. Fix the cause "
                 "that rank reports, then call step() again on every rank, or discard_step() on every rank"
             )
-        reduced = torch.where(packed[count : 2 * count] > 0, float("nan"), packed[:count])
+        reduced = nan_from_flags(packed, count)
         if rows is not None:
             return step_amax.index_copy(0, rows, reduced), changed_anywhere
         return (reduced if count == len(state) else torch.cat([reduced, step_amax[count:]])), changed_anywhere

@@ -62,6 +62,7 @@ import torch
 from torch import Tensor
 
 from scalestate.backends import Backend, CastRequest, CastSpec
+from scalestate.distributed import nan_as_flags, nan_from_flags
 from scalestate.errors import CastError
 from scalestate.handle import ScalingHandle
 from scalestate.quantized import Quantized
@@ -310,8 +311,7 @@ def _global_amax(x: Tensor, mesh: DeviceMesh, dims: Sequence[int]) -> Tensor:
             local = torch.linalg.vector_norm(x.detach(), float("inf")).float()
         else:
             local = torch.zeros((), dtype=torch.float32, device=x.device)
-        nan = torch.isnan(local)
-        packed = torch.stack([torch.where(nan, float("inf"), local), nan.float()])
+        packed = nan_as_flags(local.reshape(1))
         placements = [Partial("max") if i in dims else Replicate() for i in range(mesh.ndim)]
         reduced = DTensor.from_local(packed, mesh, placements, run_check=False).full_tensor()
-        return torch.where(reduced[1] > 0, float("nan"), reduced[0]).reshape(1)
+        return nan_from_flags(reduced, 1)
