@@ -48,9 +48,12 @@ class WeightCastCache:
     a load) and reused by every microbatch, recompute and evaluation pass
     until it changes: PyTorch's version counter sees every in-place update
     (optimizer steps, ``load_state_dict``, ``copy_``), and the tensor's
-    identity and storage address see a replaced parameter. Only an edit
-    through ``.data`` escapes the counter; ``manager.invalidate_casts()``
-    covers it.
+    identity and storage address see a replaced parameter. Two writes escape
+    them: an edit through ``.data``, and FSDP2's all-gather, which refills
+    the unsharded weight in place with its version counter preserved, often
+    at the same address. ``manager.invalidate_casts()`` and
+    ``handle.invalidate_casts()`` cover them (``ss.nn.Linear`` calls the
+    latter whenever FSDP2 swaps its weight).
     """
 
     def __init__(self) -> None:
@@ -72,6 +75,10 @@ class WeightCastCache:
         if torch.is_inference_mode_enabled() or x.is_inference():
             return
         self._entries[slot.row] = CachedCast(weakref.ref(x), x.data_ptr(), x._version, epoch, quantized, amax)
+
+    def forget(self, slot: Slot) -> None:
+        """Forget the cast of ``slot``, if any."""
+        self._entries.pop(slot.row, None)
 
     def clear(self) -> None:
         """Forget every cast."""

@@ -97,6 +97,19 @@ class ScalingHandle:
         """A copy of the slot's amax history (``[history_len]`` float32, newest last)."""
         return self._manager._history_of(self._slot(role))
 
+    def invalidate_casts(self) -> None:
+        """Drop this handle's cached ``WEIGHT`` cast, so that the next one casts afresh.
+
+        For modules of your own that call :func:`scalestate.nn.linear` under
+        FSDP2 (``fully_shard``): FSDP refills the unsharded weight in place at
+        every all-gather and preserves its version counter, so a cast cached
+        before an in-place edit of the sharded weight (an EMA swap, a model
+        ``load_state_dict`` without a manager step) could be reused. Call it when
+        FSDP swaps the weight in (``ss.nn.Linear`` does so from its
+        ``__setattr__``, which FSDP calls), or in a forward pre-hook.
+        """
+        self._manager._forget_cast(self._slot(Role.WEIGHT))
+
     def __repr__(self) -> str:
         roles = ", ".join(r.name for r in self._slots)
         return f"<ScalingHandle({self._name!r}, roles=({roles}))>"

@@ -364,6 +364,9 @@ class ScalingStateManager:
     def _history_of(self, slot: Slot) -> Tensor:
         return self._state.history_of(slot).clone()
 
+    def _forget_cast(self, slot: Slot) -> None:
+        self._state.casts.forget(slot)
+
     # --------------------------------------------------------------- device
     def to(self, device: torch.device | str) -> ScalingStateManager:
         """Move the state to ``device``, every value kept (a step's pending amaxes too).
@@ -379,9 +382,11 @@ class ScalingStateManager:
     def invalidate_casts(self) -> None:
         """Drop cached weight casts.
 
-        Needed only after editing a weight through ``.data``, which PyTorch's
-        version counter does not see; every other in-place change, optimizer
-        steps and ``load_state_dict`` included, is detected by itself.
+        Needed only after a write that PyTorch's version counter does not see:
+        an edit through ``.data``, or FSDP2 refilling an unsharded weight at an
+        all-gather (``ss.nn.Linear`` handles that one itself; see
+        :meth:`ScalingHandle.invalidate_casts`). Every other in-place change,
+        optimizer steps and ``load_state_dict`` included, is detected by itself.
         """
         self._state.casts.clear()
 

@@ -121,6 +121,22 @@ class TestWeightCastCache:
             layer(torch.randn(2, 16))
         assert count[0] == 2
 
+    def test_handle_invalidate_drops_only_its_own_cast(self, manager):
+        """handle.invalidate_casts() recasts that handle's weight; other handles keep theirs."""
+        layer, count = self._setup(manager)
+        other = ss.nn.Linear(16, 4, manager=manager, name="other")
+        x = torch.randn(2, 16)
+        with manager.forward():
+            layer(x)
+            other(x)
+        before = other.handle.quantize(other.weight, ss.Role.WEIGHT)
+        layer.weight.data.mul_(2)
+        layer.handle.invalidate_casts()
+        with manager.forward():
+            layer(x)
+        assert count[0] == 2
+        assert other.handle.quantize(other.weight, ss.Role.WEIGHT) is before  # still the cached cast
+
     def test_hit_records_like_a_fresh_cast(self, manager):
         """A weight cast made in evaluation still leaves the training step's weight amax complete."""
         layer, count = self._setup(manager)

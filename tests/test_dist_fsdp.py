@@ -244,7 +244,29 @@ def _worker(rank: int, world: int, path: str) -> dict[str, Any]:
         state = out["fallback"]["after_poison"]
         out["loaded"] = _loaded(rank, False, state)
         out["loaded_fp8"] = _loaded(rank, True, state)
+        out["edited"] = _edited_between_casts(rank, fp8=False)
+        out["edited_fp8"] = _edited_between_casts(rank, fp8=True)
     return out
+
+
+def _edited_between_casts(rank: int, fp8: bool) -> dict[str, Any]:
+    """Weights edited in place after a cast of the same scale epoch (an EMA swap for evaluation).
+
+    FSDP2 refills the unsharded weight at every all-gather with its version counter
+    preserved, often at the same address; the next forward must still see the edit.
+    """
+    m = ss.ScalingStateManager(RECIPE, backend="emulation")
+    model = _train_plain(m, rank, fp8, steps=1)
+    before = _probe(model)  # cast and cached at this epoch
+    outputs = []
+    for _ in range(3):  # several tries: the freed and refilled storage lands at one address or another
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(2)
+        edited = _probe(model)
+        m.invalidate_casts()
+        outputs.append((edited, _probe(model)))
+    return {"before": before, "outputs": outputs}
 
 
 def _checkpointed(manager: ss.ScalingStateManager, rank: int) -> dict[str, Any]:
@@ -472,6 +494,19 @@ class TestHistoryLost:
             for key in ("before", "after"):
                 assert torch.equal(r["loaded_fp8"][key], two[0]["loaded_fp8"][key])
                 assert torch.equal(r["loaded_fp8"][key], r["loaded"][key])
+
+
+class TestEditedWeights:
+    @pytest.mark.parametrize("fp8", [False, True])
+    def test_an_in_place_edit_between_casts_of_one_epoch_is_seen(self, two, fp8):
+        """After an in-place edit (no step), the next forward casts the edited weight, not a cached cast."""
+        for r in two:
+            result = r["edited_fp8" if fp8 else "edited"]
+            previous = result["before"]
+            for edited, recast in result["outputs"]:
+                assert torch.equal(edited, recast)  # the same as a cast with every cache dropped
+                assert not torch.equal(edited, previous)
+                previous = edited
 
 
 class TestCheckpoint:

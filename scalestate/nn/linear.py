@@ -202,6 +202,19 @@ class Linear(torch.nn.Linear):
             # torch leaves register_state_dict_post_hook untyped
             self.register_state_dict_post_hook(plain_state_dict)  # type: ignore[no-untyped-call]
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """As ``torch.nn.Module``'s; a new ``weight`` drops the slot's cached weight cast.
+
+        FSDP2 sets the weight at every all-gather and reshard (a module that
+        overrides ``__setattr__`` gets the call), and refills the unsharded
+        weight in place with its version counter preserved: without this, a
+        cast cached before an in-place edit of the sharded weight could be
+        reused. The FP8 all-gather keys its casts on the shard instead.
+        """
+        super().__setattr__(name, value)
+        if name == "weight" and not self.__dict__.get("fp8_all_gather", True):
+            self.handle.invalidate_casts()
+
     def forward(self, x: Tensor) -> Tensor:
         """FP8 ``x @ weight.T + bias``."""
         return linear(x, self.weight, self.bias, self.handle)
