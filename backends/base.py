@@ -21,6 +21,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from scalestate.finegrained import Granularity
 from scalestate.math import ScaleRule
 from scalestate.quantized import Quantized
 
@@ -37,6 +38,10 @@ class CastSpec:
     fp8_max: float
     #: Margin and power-of-two rounding of just-in-time scales.
     rule: ScaleRule = attrs.field(factory=ScaleRule)
+    #: ``None``: one scale per tensor. Else the fine-grained cast of the
+    #: recipe's role (one scale per row, tile, block or MX block; see
+    #: :mod:`scalestate.finegrained`), always scaled just in time.
+    granularity: Granularity | None = None
 
 
 class CastRequest(NamedTuple):
@@ -47,6 +52,14 @@ class CastRequest(NamedTuple):
     (values beyond ``±spec.fp8_max`` become ``±spec.fp8_max``; NaN stays NaN),
     ``scale_inv = torch.reciprocal(scale)``, and both scales fresh tensors,
     never views of the state (which changes at the next step).
+
+    Fine-grained casts (``spec.granularity`` set) scale every row, tile or
+    block from its own amax (``scale`` and ``jit`` are then ignored), exactly
+    as :func:`scalestate.finegrained.quantize` does, and return a ``Quantized``
+    with ``tile`` set; ``transpose`` then asks for the other orientation (the
+    quantization of ``x.t()`` along its own rows, with ``t_scale``,
+    ``t_scale_inv`` and ``t_tile``). ``record`` takes the max over the whole
+    tensor.
     """
 
     #: The tensor to cast (any float dtype, any shape; detached). Computed in float32.
@@ -64,7 +77,8 @@ class CastRequest(NamedTuple):
     #: accumulator: replace it, in place, by ``maximum(record, amax(|x|))``
     #: (NaN propagates), in the same pass as the cast where the backend can.
     record: Tensor | None = None
-    #: Also produce ``transposed`` (2-d ``x`` only), in the same pass where the backend can.
+    #: Also produce ``transposed`` (2-d ``x`` only), in the same pass where the backend can:
+    #: ``x.t()`` quantized along its rows (for per-tensor scales, ``data.t()`` made contiguous).
     transpose: bool = False
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from scalestate.backends.base import CastRequest, StepUpdate
+from scalestate.finegrained import quantize as fine_quantize
 from scalestate.math import scale_from_amax, update_scales
 from scalestate.quantized import Quantized
 
@@ -39,6 +40,8 @@ class EmulationBackend:
     def cast(self, request: CastRequest) -> Quantized:
         """The reference cast: amax, scale, saturating round, record, optional transpose."""
         x, spec = request.x, request.spec
+        if spec.granularity is not None:
+            return self._cast_fine(request)
         xf = x if x.dtype == torch.float32 else x.float()
         amax = torch.linalg.vector_norm(xf, float("inf")) if xf.numel() else xf.new_zeros(())
         if request.jit is False:
@@ -51,6 +54,18 @@ class EmulationBackend:
             torch.maximum(request.record, amax, out=request.record)
         transposed = data.t().contiguous() if request.transpose else None
         return Quantized(data, scale=scale, scale_inv=torch.reciprocal(scale), transposed=transposed)
+
+    def _cast_fine(self, request: CastRequest) -> Quantized:
+        """A fine-grained cast: :func:`scalestate.finegrained.quantize`, then record its amax."""
+        spec = request.spec
+        assert spec.granularity is not None
+        fq = fine_quantize(request.x, spec.dtype, spec.granularity, columnwise=request.transpose)
+        if request.record is not None:
+            torch.maximum(request.record, fq.amax, out=request.record)
+        return Quantized(
+            fq.data, scale=fq.scale, scale_inv=fq.scale_inv, tile=fq.tile, transposed=fq.t_data,
+            t_scale=fq.t_scale, t_scale_inv=fq.t_scale_inv, t_tile=fq.t_tile,
+        )
 
     def wants_transposed(self, device: torch.device) -> bool:
         """False: products of dequantized operands take any layout."""
@@ -66,6 +81,8 @@ class EmulationBackend:
         every element.
         """
         data = q.data
+        if q.tile is not None:
+            return q.dequantize()
         if (
             data.numel() < _TABLE_MIN_NUMEL
             or data.dtype != torch.float8_e4m3fn

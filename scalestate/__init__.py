@@ -28,19 +28,32 @@ from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.phase import Phase
 from scalestate.quantized import Quantized
-from scalestate.recipe import CurrentScaling, DelayedScaling, Direction, Format, Recipe, Role
+from scalestate.recipe import (
+    BlockScaling,
+    CurrentScaling,
+    DelayedScaling,
+    Direction,
+    Format,
+    MXFP8Scaling,
+    Recipe,
+    Role,
+    RowwiseScaling,
+)
 
 __version__ = "0.2.0"
 
 __all__ = [
+    "BlockScaling",
     "CurrentScaling",
     "DelayedScaling",
     "Direction",
     "Format",
+    "MXFP8Scaling",
     "Phase",
     "Quantized",
     "Recipe",
     "Role",
+    "RowwiseScaling",
     "ScalingHandle",
     "ScalingStateManager",
     "atomic_save",

@@ -47,7 +47,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +59,10 @@ from scalestate.math import ScaleRule, is_usable_amax, scale_from_amax
 __all__ = [
     "MX_BLOCK",
     "FineQuantized",
+    "Granularity",
     "dequantize",
     "mx_exponent",
+    "quantize",
     "quantize_blocks",
     "quantize_mx",
     "quantize_rowwise",
@@ -73,6 +75,8 @@ MX_BLOCK = 32
 _E8M0_BIAS = 127
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _MANTISSA_BITS = 0x007FFFFF
+#: The two scale rules of fine-grained casts, made once (``torch.compile`` cannot trace an attrs ``__init__``).
+_RULES = {False: ScaleRule(), True: ScaleRule(power_of_2=True)}
 
 
 class FineQuantized(NamedTuple):
@@ -115,6 +119,35 @@ class FineQuantized(NamedTuple):
         return dequantize(self.t_data, self.t_scale_inv, self.t_tile)
 
 
+class Granularity(NamedTuple):
+    """Which fine-grained cast a slot makes: what a recipe says for one role.
+
+    ``kind``: ``"row"`` (:func:`quantize_rowwise`), ``"tile"``
+    (:func:`quantize_tiles`, ``1 x block``), ``"block"`` (:func:`quantize_blocks`,
+    ``block x block``) or ``"mx"`` (:func:`quantize_mx`, ``block`` elements, E8M0).
+    """
+
+    kind: Literal["row", "tile", "block", "mx"]
+    #: Elements per scale along a row (``"row"``: unused, 0).
+    block: int = 0
+    #: Round scales down to powers of two (``"mx"``: always powers of two).
+    power_of_2: bool = False
+
+
+def quantize(x: Tensor, dtype: torch.dtype, granularity: Granularity, *, columnwise: bool = False) -> FineQuantized:
+    """The fine-grained cast ``granularity`` names (see :class:`Granularity`)."""
+    kind, block, power_of_2 = granularity
+    if kind == "row":
+        return quantize_rowwise(x, dtype, power_of_2=power_of_2, columnwise=columnwise)
+    if kind == "tile":
+        return quantize_tiles(x, dtype, block=block, power_of_2=power_of_2, columnwise=columnwise)
+    if kind == "block":
+        return quantize_blocks(x, dtype, block=block, power_of_2=power_of_2, columnwise=columnwise)
+    if kind == "mx":
+        return quantize_mx(x, dtype, block=block, columnwise=columnwise)
+    raise CastError(f"unknown granularity {kind!r}; expected 'row', 'tile', 'block' or 'mx'")
+
+
 def dequantize(data: Tensor, scale_inv: Tensor, tile: tuple[int, int]) -> Tensor:
     """``data * scale_inv`` in float32, each factor repeated over its ``tile``.
 
@@ -126,7 +159,7 @@ def dequantize(data: Tensor, scale_inv: Tensor, tile: tuple[int, int]) -> Tensor
             tiles at the edges take their factor like whole ones.
     """
     rows, cols = tile
-    s = scale_inv.float()
+    s = e8m0_to_float32(scale_inv) if scale_inv.dtype == torch.float8_e8m0fnu else scale_inv.float()
     if cols > 1:
         s = s.repeat_interleave(cols, dim=-1)[..., : data.shape[-1]]
     if rows > 1:
@@ -147,7 +180,7 @@ def quantize_rowwise(
     """
     fp8_max = _fp8_max(dtype)
     _check_input(x, 1, columnwise, "quantize_rowwise")
-    rule = ScaleRule(power_of_2=power_of_2)
+    rule = _RULES[power_of_2]
     row = _lastdim(x, fp8_max, dtype, rule, block=max(x.shape[-1], 1), n_tiles=1)
     if not columnwise:
         return FineQuantized(*row, tile=(1, x.shape[-1]))
@@ -171,7 +204,7 @@ def quantize_tiles(
     fp8_max = _fp8_max(dtype)
     _check_input(x, 1, columnwise, "quantize_tiles")
     _check_block(block)
-    rule = ScaleRule(power_of_2=power_of_2)
+    rule = _RULES[power_of_2]
     row = _lastdim(x, fp8_max, dtype, rule, block=block, n_tiles=-(-x.shape[-1] // block))
     if not columnwise:
         return FineQuantized(*row, tile=(1, block))
@@ -206,7 +239,7 @@ def quantize_blocks(
     w3 = _padded(w.reshape(batch, m, k), (mt * block, kt * block))
     tiles = w3.view(batch, mt, block, kt, block)
     tile_amax = tiles.abs().amax(dim=(2, 4))
-    scale = scale_from_amax(tile_amax, fp8_max, ScaleRule(power_of_2=power_of_2))
+    scale = scale_from_amax(tile_amax, fp8_max, _RULES[power_of_2])
     scaled = (tiles * scale[:, :, None, :, None]).view(w3.shape)[:, :m, :k]
     data = _saturate(scaled, fp8_max, dtype).reshape(w.shape)
     scale = scale.reshape(*lead, mt, kt)
@@ -296,7 +329,7 @@ def _lastdim(
     if rule is None:
         e = mx_exponent(tile_amax, fp8_max)
         scale = _pow2(-e)
-        scale_inv = (e + _E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
+        scale_inv = e8m0_from_exponent(e)
     else:
         scale = scale_from_amax(tile_amax, fp8_max, rule)
         scale_inv = torch.reciprocal(scale)
@@ -304,6 +337,30 @@ def _lastdim(
     data = _saturate(scaled, fp8_max, dtype).reshape(x.shape)
     shape = (*lead, n_tiles)
     return data, scale.reshape(shape), scale_inv.reshape(shape), _total_amax(tile_amax)
+
+
+# E8M0 in and out as custom ops: torch.compile's CPU code generator has no E8M0 type,
+# so these stay opaque calls (eager kernels) inside compiled graphs.
+@torch.library.custom_op("scalestate::e8m0_from_exponent", mutates_args=())
+def e8m0_from_exponent(e: Tensor) -> Tensor:
+    """The E8M0 encoding of ``2**e`` for int32 ``e`` in ``[-127, 127]`` (the biased byte ``e + 127``)."""
+    return (e + _E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu).clone()
+
+
+@e8m0_from_exponent.register_fake
+def _(e: Tensor) -> Tensor:
+    return torch.empty_like(e, dtype=torch.float8_e8m0fnu)
+
+
+@torch.library.custom_op("scalestate::e8m0_to_float32", mutates_args=())
+def e8m0_to_float32(s: Tensor) -> Tensor:
+    """E8M0 values as float32, exactly (``2**e``; the byte 255 is NaN)."""
+    return s.float()
+
+
+@e8m0_to_float32.register_fake
+def _(s: Tensor) -> Tensor:
+    return torch.empty_like(s, dtype=torch.float32)
 
 
 def _pow2(n: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from scalestate.nonfinite import NONFINITE_POLICIES, NonFinitePolicy
 from scalestate.persist import recipe_to_dict, to_state_dict, validate
 from scalestate.phase import Phase
 from scalestate.quantized import Quantized
-from scalestate.recipe import CurrentScaling, DelayedScaling, Recipe, Role, fp8_max
+from scalestate.recipe import RECIPES, Recipe, Role, fp8_max
 from scalestate.state import Slot, State
 from scalestate.stepping import run_step
 
@@ -40,7 +40,9 @@ class ScalingStateManager:
     Phases are per thread, like torch's grad mode.
 
     Args:
-        recipe: :class:`DelayedScaling` or :class:`CurrentScaling`.
+        recipe: per tensor, :class:`DelayedScaling` or :class:`CurrentScaling`;
+            fine-grained (just in time, per row, tile, block or MX block),
+            :class:`RowwiseScaling`, :class:`BlockScaling` or :class:`MXFP8Scaling`.
         backend: a registered backend name (``"emulation"``, ``"scaled_mm"``,
             ...), ``"auto"`` for the best one available on the state's device,
             or a backend object. An unknown name fails at once; availability
@@ -97,10 +99,9 @@ class ScalingStateManager:
         group: GroupSpec = DEFAULT_GROUP,
         on_nonfinite: NonFinitePolicy = "skip",
     ) -> None:
-        if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-            raise ScaleStateError(
-                f"recipe must be ss.DelayedScaling(...) or ss.CurrentScaling(...); got {recipe!r}"
-            )
+        if not isinstance(recipe, RECIPES):
+            names = ", ".join(f"ss.{cls.__name__}(...)" for cls in RECIPES)
+            raise ScaleStateError(f"recipe must be one of {names}; got {recipe!r}")
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ScaleStateError(
                 f"on_nonfinite must be one of {', '.join(map(repr, NONFINITE_POLICIES))}; got {on_nonfinite!r}"
@@ -113,7 +114,9 @@ class ScalingStateManager:
         self._rule = recipe.rule
         self._delayed = recipe.delayed
         self._specs = {
-            role: CastSpec(recipe.format.dtype(role), fp8_max(recipe.format.dtype(role)), recipe.rule)
+            role: CastSpec(
+                recipe.format.dtype(role), fp8_max(recipe.format.dtype(role)), recipe.rule, recipe.granularity(role)
+            )
             for role in Role
         }
         self._state = State(dev or torch.device("cpu"), recipe.history_len, debug=bool(debug))

@@ -19,15 +19,20 @@ import attrs
 import torch
 
 from scalestate.errors import RecipeError
+from scalestate.finegrained import MX_BLOCK, Granularity
 from scalestate.math import ScaleRule
 
 __all__ = [
+    "BlockScaling",
     "CurrentScaling",
     "DelayedScaling",
     "Direction",
     "Format",
+    "Granularity",
+    "MXFP8Scaling",
     "Recipe",
     "Role",
+    "RowwiseScaling",
     "fp8_max",
 ]
 
@@ -104,6 +109,11 @@ def _check_margin(_: object, attribute: attrs.Attribute[Any], value: object) -> 
         raise RecipeError(f"{attribute.name} must be an int in [0, 64]; got {value!r}")
 
 
+def _check_block(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65536:
+        raise RecipeError(f"{attribute.name} must be an int in [1, 65536]; got {value!r}")
+
+
 def _check_amax_compute(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value not in ("max", "most_recent"):
         raise RecipeError(f"{attribute.name} must be 'max' or 'most_recent'; got {value!r}")
@@ -148,25 +158,20 @@ class DelayedScaling:
         """How scales follow from amaxes under this recipe."""
         return ScaleRule(amax_compute=self.amax_compute, margin=self.margin, power_of_2=self.power_of_2)
 
+    def granularity(self, role: Role) -> Granularity | None:
+        """``None``: one scale per tensor."""
+        return None
 
-@attrs.frozen
-class CurrentScaling:
-    """Scale each cast just in time from the tensor being cast.
 
-    Every cast computes the tensor's amax first and derives its scale from it;
-    nothing carries over between steps except the last step's amax, which is
-    kept for inspection.
+class _JustInTime:
+    """What every just-in-time recipe shares: no history to scale from.
 
-    Example:
-        >>> import scalestate as ss
-        >>> ss.CurrentScaling(power_of_2=True).power_of_2
-        True
+    The manager still records each slot's per-step amax (the max over the
+    whole tensor, whatever the granularity) and keeps the last one, for
+    inspection, the non-finite policy and checkpoint parity.
     """
 
-    #: FP8 format of forward and backward casts.
-    format: Format = attrs.field(default=Format.HYBRID, validator=_check_format)
-    #: Round each scale down to a power of two.
-    power_of_2: bool = attrs.field(default=False, validator=_check_bool)
+    power_of_2: bool
 
     @property
     def delayed(self) -> bool:
@@ -194,4 +199,108 @@ class CurrentScaling:
         return ScaleRule(amax_compute="most_recent", margin=0, power_of_2=self.power_of_2)
 
 
-Recipe = DelayedScaling | CurrentScaling
+@attrs.frozen
+class CurrentScaling(_JustInTime):
+    """Scale each cast just in time from the tensor being cast.
+
+    Every cast computes the tensor's amax first and derives its scale from it;
+    nothing carries over between steps except the last step's amax, which is
+    kept for inspection.
+
+    Example:
+        >>> import scalestate as ss
+        >>> ss.CurrentScaling(power_of_2=True).power_of_2
+        True
+    """
+
+    #: FP8 format of forward and backward casts.
+    format: Format = attrs.field(default=Format.HYBRID, validator=_check_format)
+    #: Round each scale down to a power of two.
+    power_of_2: bool = attrs.field(default=False, validator=_check_bool)
+
+    def granularity(self, role: Role) -> Granularity | None:
+        """``None``: one scale per tensor."""
+        return None
+
+
+@attrs.frozen
+class RowwiseScaling(_JustInTime):
+    """One scale per row along each GEMM's contraction dimension, just in time.
+
+    Each role is cast in both orientations where a GEMM needs them (see
+    docs/recipes.md): ``x`` with one scale per row of ``x``, and ``x.t()``
+    with one per row of ``x.t()``.
+
+    Example:
+        >>> import scalestate as ss
+        >>> ss.RowwiseScaling().granularity(ss.Role.WEIGHT)
+        Granularity(kind='row', block=0, power_of_2=False)
+    """
+
+    #: FP8 format of forward and backward casts.
+    format: Format = attrs.field(default=Format.E4M3, validator=_check_format)
+    #: Round each scale down to a power of two.
+    power_of_2: bool = attrs.field(default=False, validator=_check_bool)
+
+    def granularity(self, role: Role) -> Granularity:
+        """One scale per row, for every role."""
+        return Granularity("row", 0, self.power_of_2)
+
+
+@attrs.frozen
+class BlockScaling(_JustInTime):
+    """DeepSeek-V3-style blocks: ``1 x block`` tiles for INPUT and GRAD_OUTPUT, ``block x block`` for WEIGHT.
+
+    Per tile ``scale = fp8_max / amax_tile`` (rounded down to a power of two
+    when ``power_of_2``); a tile whose amax is zero or not finite gets scale 1.
+
+    Example:
+        >>> import scalestate as ss
+        >>> r = ss.BlockScaling()
+        >>> r.granularity(ss.Role.INPUT).kind, r.granularity(ss.Role.WEIGHT).kind
+        ('tile', 'block')
+    """
+
+    #: FP8 format of forward and backward casts.
+    format: Format = attrs.field(default=Format.E4M3, validator=_check_format)
+    #: Elements per tile along a row, and rows and columns per weight block.
+    block: int = attrs.field(default=128, validator=_check_block)
+    #: Round each scale down to a power of two.
+    power_of_2: bool = attrs.field(default=True, validator=_check_bool)
+
+    def granularity(self, role: Role) -> Granularity:
+        """Tiles for activations and gradients, square blocks for weights."""
+        return Granularity("block" if role is Role.WEIGHT else "tile", self.block, self.power_of_2)
+
+
+@attrs.frozen
+class MXFP8Scaling(_JustInTime):
+    """OCP MXFP8: one E8M0 power of two per 32 consecutive elements along the contraction dimension.
+
+    ``e = ceil(log2(amax_block / fp8_max))`` (rounded up so that no element
+    saturates, as NVIDIA's MXFP8 pre-training recipe does, not the OCP spec's
+    floor); ``scale_inv = 2**e`` as ``torch.float8_e8m0fnu``, ``scale = 2**-e``.
+
+    Example:
+        >>> import scalestate as ss
+        >>> ss.MXFP8Scaling().granularity(ss.Role.INPUT)
+        Granularity(kind='mx', block=32, power_of_2=True)
+    """
+
+    #: FP8 format of forward and backward casts.
+    format: Format = attrs.field(default=Format.E4M3, validator=_check_format)
+
+    @property
+    def power_of_2(self) -> bool:  # type: ignore[override]  # a field in the other recipes
+        """True: E8M0 factors are powers of two."""
+        return True
+
+    def granularity(self, role: Role) -> Granularity:
+        """32-element blocks along rows, for every role."""
+        return Granularity("mx", MX_BLOCK, True)
+
+
+Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling | MXFP8Scaling
+
+#: Every recipe class (what ``ScalingStateManager`` accepts).
+RECIPES: tuple[type, ...] = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXFP8Scaling)

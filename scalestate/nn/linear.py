@@ -45,11 +45,23 @@ class _FP8Linear(torch.autograd.Function):
         out_dtype: torch.dtype,
         add_bias: bool = True,
     ) -> Tensor:
-        out = _product(backend, qx, qw.t(), out_dtype, bias if add_bias else None)
-        # The weight-gradient product needs x in the other layout: keep only that copy when the cast made it.
-        x_data = qx.data if qx.transposed is None else qx.transposed
-        ctx.save_for_backward(x_data, qx.scale, qx.scale_inv, qw.data, qw.scale, qw.scale_inv, qw.transposed)
-        ctx.x_is_transposed = qx.transposed is not None
+        ctx.fine = qx.tile is not None
+        if ctx.fine:
+            # Each product takes its operands scaled along its own contraction axis:
+            # x and w along in_features here; w along out_features and x along tokens later.
+            out = _product(backend, qx.rowwise(), qw.rowwise().t(), out_dtype, bias if add_bias else None)
+            ctx.x_is_transposed = True
+            x_saved, w_saved = qx.columnwise(), qw  # backward needs x only along tokens
+        else:
+            out = _product(backend, qx, qw.t(), out_dtype, bias if add_bias else None)
+            # The weight-gradient product needs x in the other layout: keep only that copy when the cast made it.
+            ctx.x_is_transposed = qx.transposed is not None
+            x_saved = qx if qx.transposed is None else Quantized(qx.transposed, scale=qx.scale, scale_inv=qx.scale_inv)
+            w_saved = qw
+        x_tensors, ctx.x_tiles = _pack(x_saved)
+        w_tensors, ctx.w_tiles = _pack(w_saved)
+        ctx.n_x = len(x_tensors)
+        ctx.save_for_backward(*x_tensors, *w_tensors)
         ctx.cast_grad = cast_grad
         ctx.backend = backend
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -57,7 +69,9 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x_data, x_scale, x_scale_inv, w_data, w_scale, w_scale_inv, w_transposed = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        qx = _unpack(saved[: ctx.n_x], ctx.x_tiles)
+        qw = _unpack(saved[ctx.n_x :], ctx.w_tiles)
         cast_grad: GradCaster = ctx.cast_grad
         backend: Backend = ctx.backend
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -65,15 +79,42 @@ class _FP8Linear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if need_x or need_w:
             qg = cast_grad(grad_out, ctx.x_is_transposed)
-            if need_x:
-                qw = Quantized(w_data, scale=w_scale, scale_inv=w_scale_inv, transposed=w_transposed)
-                grad_x = _product(backend, qg, qw, x_dtype)
-            if need_w:
-                qx = Quantized(x_data, scale=x_scale, scale_inv=x_scale_inv)
-                grad_w = _product(backend, qg.t(), qx.t() if ctx.x_is_transposed else qx, w_dtype)
+            if ctx.fine:
+                if need_x:  # dy @ w: both along out_features
+                    grad_x = _product(backend, qg.rowwise(), qw.columnwise().t(), x_dtype)
+                if need_w:  # dy.T @ x: both along tokens (qx is x.t() cast along its rows)
+                    grad_w = _product(backend, qg.columnwise(), qx.t(), w_dtype)
+            else:
+                if need_x:
+                    grad_x = _product(backend, qg, qw, x_dtype)
+                if need_w:
+                    grad_w = _product(backend, qg.t(), qx.t() if ctx.x_is_transposed else qx, w_dtype)
         if need_b:
             grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _pack(q: Quantized) -> tuple[tuple[Tensor | None, ...], tuple[tuple[int, int] | None, ...] | None]:
+    """The tensors of ``q`` to save for backward, and what rebuilds it (tiles; ``None``: per tensor)."""
+    if q.tile is None:
+        return (q.data, q.scale, q.scale_inv, q.transposed), None
+    if q.transposed is None:
+        return (q.data, q.scale, q.scale_inv), (q.tile,)
+    return (q.data, q.scale, q.scale_inv, q.transposed, q.t_scale, q.t_scale_inv), (q.tile, q.t_tile)
+
+
+def _unpack(tensors: tuple[Tensor | None, ...], tiles: tuple[tuple[int, int] | None, ...] | None) -> Quantized:
+    """The ``Quantized`` that :func:`_pack` saved."""
+    data, scale, scale_inv, transposed, t_scale, t_scale_inv = (*tensors, None, None, None)[:6]
+    assert data is not None
+    assert scale is not None
+    assert scale_inv is not None
+    if tiles is None:
+        return Quantized(data, scale=scale, scale_inv=scale_inv, transposed=transposed)
+    return Quantized(
+        data, scale=scale, scale_inv=scale_inv, transposed=transposed, tile=tiles[0],
+        t_scale=t_scale, t_scale_inv=t_scale_inv, t_tile=tiles[1] if len(tiles) > 1 else None,
+    )
 
 
 def _cast_grad(handle: ScalingHandle, grad_out: Tensor, transpose: bool) -> Quantized:
@@ -116,7 +157,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     backend = handle.manager.backend
-    transpose = backend.wants_transposed(x.device)
+    # Fine-grained scales lie along one axis: every role is also cast along the other one.
+    transpose = backend.wants_transposed(x.device) or handle.manager.recipe.granularity(Role.INPUT) is not None
     qx = handle.quantize(x2, Role.INPUT, transpose=transpose)
     qw = quantize_weight(handle, weight, transpose=transpose)
     # torch types Function.apply as untyped; its result here is the forward's Tensor
