@@ -235,6 +235,12 @@ class Linear(torch.nn.Linear):
             raise TypeError(f"manager must be a ScalingStateManager; got {type(manager).__name__}")
         if not isinstance(fp8_all_gather, bool):
             raise TypeError(f"fp8_all_gather must be True or False; got {fp8_all_gather!r}")
+        if fp8_all_gather and manager.recipe.granularity(Role.WEIGHT) is not None:
+            raise CastError(
+                f"fp8_all_gather=True casts each FSDP shard with its slot's one per-tensor scale; "
+                f"{type(manager.recipe).__name__} scales rows, tiles or blocks. Use fp8_all_gather=False "
+                "with this recipe (FSDP2 then gathers the high-precision weight), or a per-tensor recipe"
+            )
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.handle = manager.register(name if name is not None else _free_name(manager, "linear"), roles=tuple(Role))
         #: Whether FSDP2 all-gathers the weight in FP8 (fixed at construction).

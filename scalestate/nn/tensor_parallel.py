@@ -216,10 +216,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
     Raises:
         CastError: an operand is not a DTensor while another is, they live on
             different meshes, or their placements are not supported (the
-            message lists those that are).
+            message lists those that are); or the manager's recipe is
+            fine-grained (rows, tiles, blocks: per-tensor recipes only).
     """
     from torch.distributed.tensor import DTensor
 
+    recipe = handle.manager.recipe
+    if recipe.granularity(Role.INPUT) is not None:
+        raise CastError(
+            f"slot {handle.name!r}: tensor-parallel FP8 (DTensor operands) supports per-tensor recipes; "
+            f"{type(recipe).__name__} scales rows, tiles or blocks, which a sharded operand would split. "
+            "Use ss.DelayedScaling or ss.CurrentScaling for tensor-parallel layers, or run this layer "
+            "on plain tensors (to_local()) with the fine-grained recipe"
+        )
     x, weight, dbias = _operands(x, weight, bias, handle.name)
     if x.shape[-1] != weight.shape[1]:
         raise CastError(
