@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from scalestate.demo.train import RECIPE_NAMES
+
 __all__ = ["main"]
 
 
@@ -43,10 +45,19 @@ def _parser() -> argparse.ArgumentParser:
         help="scalestate backend of the FP8 runs (emulation, scaled_mm, auto, ...)",
     )
     demo.add_argument(
-        "--recipe", choices=("delayed", "current"), default="delayed",
-        help="FP8 scaling recipe",
+        "--recipe", choices=RECIPE_NAMES, default="delayed",
+        help=(
+            "FP8 scaling recipe: delayed or current (one scale per tensor), rowwise (one per row), "
+            "block (1 x B tiles, B x B weight blocks), mxfp8 (one E8M0 power of two per 32 elements); "
+            "see docs/recipes.md"
+        ),
     )
     demo.add_argument("--history-len", type=int, default=16, help="amax history of delayed scaling")
+    demo.add_argument(
+        "--block", type=int, default=None, metavar="B",
+        help="tile and weight-block edge B of --recipe block; unset (None): 128, or the largest power of "
+        "two <= --d-model when that is smaller, so that every weight spans at least one whole block",
+    )
     demo.add_argument(
         "--no-fp32", action="store_true", help="skip the fp32 reference run (faster)"
     )

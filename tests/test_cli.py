@@ -10,18 +10,26 @@ from pathlib import Path
 import pytest
 import torch
 
+import scalestate as ss
 from scalestate.cli import main
 from scalestate.demo.data import corpus, decode, encode
 from scalestate.demo.run import compare
-from scalestate.demo.train import DemoConfig, train
+from scalestate.demo.train import RECIPE_NAMES, DemoConfig, train
 
 TINY = ["--steps", "3", "--microbatches", "2", "--microbatch-size", "2", "--seq-len", "16",
         "--d-model", "32", "--layers", "1", "--heads", "2", "--quiet"]
 
 
 class TestDemo:
-    @pytest.mark.parametrize("recipe", ["delayed", "current"])
-    @pytest.mark.parametrize("backend", ["emulation", "scaled_mm"])
+    @pytest.mark.parametrize(
+        ("recipe", "backend"),
+        [
+            ("delayed", "emulation"), ("delayed", "scaled_mm"),
+            ("current", "emulation"), ("current", "scaled_mm"),
+            ("rowwise", "emulation"), ("rowwise", "scaled_mm"),  # torch's CPU scaled_mm takes row-wise scales
+            ("block", "emulation"), ("mxfp8", "emulation"),
+        ],
+    )
     def test_tiny_run_reports_bitwise_parity(self, capsys, recipe, backend):
         """A tiny demo runs all three trainings and reports bitwise equality."""
         assert main(["demo", *TINY, "--recipe", recipe, "--backend", backend]) == 0
@@ -29,6 +37,46 @@ class TestDemo:
         for line in ("fp32", "fp8 + checkpointing", "fp8, no checkpointing", "FP8 vs fp32"):
             assert line in out
         assert out.count("EQUAL") == 4 and "DIFFERENT" not in out and "OK:" in out
+
+    @pytest.mark.parametrize(
+        ("recipe", "names"),
+        [
+            ("delayed", ("DelayedScaling(history_len=16",)),
+            ("current", ("CurrentScaling(",)),
+            ("rowwise", ("RowwiseScaling(", "one scale per row")),
+            ("mxfp8", ("MXFP8Scaling(", "one E8M0 power of two per 32 elements")),
+        ],
+    )
+    def test_report_names_the_recipe_and_its_scales(self, capsys, recipe, names):
+        """The report's header names the recipe, and for fine-grained ones where their scales lie."""
+        assert main(["demo", *TINY, "--steps", "1", "--no-fp32", "--recipe", recipe]) == 0
+        out = capsys.readouterr().out
+        assert all(name in out for name in names)
+        assert ("  scales:  " in out) == (recipe not in ("delayed", "current"))
+
+    def test_block_size_follows_the_model_width(self, capsys):
+        """--recipe block on a model narrower than 128 uses the largest power of two that fits,
+        and says so; --block overrides it."""
+        assert main(["demo", *TINY, "--steps", "1", "--no-fp32", "--recipe", "block"]) == 0
+        out = capsys.readouterr().out
+        assert "BlockScaling(format=<Format.E4M3: 'e4m3'>, block=32, power_of_2=True)" in out
+        assert "1 x 32 tiles (inputs, output gradients), 32 x 32 blocks (weights); 32, not 128: --d-model is 32" in out
+        assert main(["demo", *TINY, "--steps", "1", "--no-fp32", "--recipe", "block", "--block", "16"]) == 0
+        out = capsys.readouterr().out
+        assert "block=16," in out and "1 x 16 tiles" in out and "not 128" not in out
+
+    def test_make_recipe(self):
+        """Each --recipe name makes its recipe; the block edge is 128 unless the model is narrower."""
+        made = {name: type(DemoConfig(recipe=name).make_recipe()) for name in RECIPE_NAMES}
+        assert made == {
+            "delayed": ss.DelayedScaling, "current": ss.CurrentScaling, "rowwise": ss.RowwiseScaling,
+            "block": ss.BlockScaling, "mxfp8": ss.MXFP8Scaling,
+        }
+        widths = {128: 128, 512: 128, 96: 64, 64: 64, 32: 32, 1: 1}
+        for d_model, block in widths.items():
+            assert DemoConfig(recipe="block", d_model=d_model).make_recipe() == ss.BlockScaling(block=block)
+        assert DemoConfig(recipe="block", d_model=32, block=8).make_recipe() == ss.BlockScaling(block=8)
+        assert DemoConfig(recipe="delayed", history_len=4).make_recipe() == ss.DelayedScaling(history_len=4)
 
     def test_data_parallel_ranks_report_identical_state(self, capfd):
         """--ranks 2: DDP on gloo; the report says every rank holds the same state."""
@@ -61,6 +109,15 @@ class TestDemo:
         """Sizes are validated with the flag's name."""
         with pytest.raises(SystemExit, match="--heads"):
             main(["demo", *TINY, "--d-model", "30", "--heads", "4"])
+        with pytest.raises(SystemExit, match="--block must be >= 1; got 0"):
+            main(["demo", *TINY, "--recipe", "block", "--block", "0"])
+
+    def test_bad_recipe(self, capsys):
+        """An unknown --recipe is a usage error that lists the five."""
+        with pytest.raises(SystemExit) as exc:
+            main(["demo", *TINY, "--recipe", "tensorwise"])
+        assert exc.value.code == 2
+        assert "delayed, current, rowwise, block, mxfp8" in capsys.readouterr().err.replace("'", "")
 
     def test_compare_detects_difference(self):
         """The report's comparison is bitwise: one changed bit in one parameter is DIFFERENT."""
@@ -98,8 +155,9 @@ class TestEntryPoints:
             [sys.executable, "-m", "scalestate", "demo", "--help"],
             capture_output=True, text=True, cwd=tmp_path, env=self._env(), check=True,
         ).stdout
-        for flag in ("--steps", "--d-model", "--layers", "--backend", "--recipe", "--microbatches"):
+        for flag in ("--steps", "--d-model", "--layers", "--backend", "--recipe", "--microbatches", "--block"):
             assert flag in out
+        assert "{delayed,current,rowwise,block,mxfp8}" in out
 
     def test_console_script(self, tmp_path):
         """The installed 'scalestate' command exists and answers --help."""

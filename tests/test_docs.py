@@ -136,6 +136,19 @@ class TestApiReference:
         missing = [name for name in module.__all__ if name not in text]
         assert not missing, f"docs/api.md does not mention {missing}"
 
+    def test_recipes_page_covers_every_recipe(self):
+        """docs/recipes.md describes every recipe class and every demo --recipe name, and the
+        README and the user guide link to it."""
+        from scalestate.demo.train import RECIPE_NAMES
+        from scalestate.recipe import RECIPES
+
+        text = (ROOT / "docs" / "recipes.md").read_text()
+        missing = [cls.__name__ for cls in RECIPES if f"ss.{cls.__name__}(" not in text]
+        assert not missing, f"docs/recipes.md does not describe {missing}"
+        assert f"--recipe {'|'.join(RECIPE_NAMES)}" in text
+        assert "](docs/recipes.md)" in (ROOT / "README.md").read_text()
+        assert "](recipes.md)" in (ROOT / "docs" / "index.md").read_text()
+
     def test_docs_links_resolve(self):
         """Relative links between the README and docs point at files that exist."""
         for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
@@ -147,6 +160,7 @@ class TestDocstringExamples:
     @pytest.mark.parametrize(
         "obj",
         [ss, ss.ScalingStateManager, ss.ScalingHandle, ss.Quantized, ss.DelayedScaling, ss.CurrentScaling,
+         ss.RowwiseScaling, ss.BlockScaling, ss.MXFP8Scaling,
          ss.nn.Linear, ss.nn.convert, ss.checkpoint, ss.backends.available_backends],
         ids=lambda o: getattr(o, "__name__", str(o)),
     )

@@ -12,7 +12,7 @@ import torch
 
 import scalestate as ss
 from scalestate.demo.data import MODULES, corpus
-from scalestate.demo.train import DemoConfig, RunResult, data_parallel, train
+from scalestate.demo.train import FULL_BLOCK, DemoConfig, RunResult, data_parallel, train
 from scalestate.errors import ScaleStateError
 
 __all__ = ["compare", "run_demo"]
@@ -23,16 +23,17 @@ def _config(args: argparse.Namespace) -> DemoConfig:
         steps=args.steps, microbatches=args.microbatches, microbatch_size=args.microbatch_size,
         seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
         lr=args.lr, seed=args.seed, backend=args.backend, recipe=args.recipe,
-        history_len=args.history_len,
+        history_len=args.history_len, block=args.block,
     )
     flags = {
         "steps": "--steps", "microbatches": "--microbatches", "microbatch_size": "--microbatch-size",
         "seq_len": "--seq-len", "d_model": "--d-model", "n_layers": "--layers", "n_heads": "--heads",
-        "history_len": "--history-len",
+        "history_len": "--history-len", "block": "--block",
     }
     for field, flag in flags.items():
-        if getattr(cfg, field) < 1:
-            raise SystemExit(f"scalestate demo: {flag} must be >= 1; got {getattr(cfg, field)}")
+        value = getattr(cfg, field)
+        if value is not None and value < 1:
+            raise SystemExit(f"scalestate demo: {flag} must be >= 1; got {value}")
     if cfg.d_model % cfg.n_heads:
         raise SystemExit(f"scalestate demo: --d-model ({cfg.d_model}) must be divisible by --heads ({cfg.n_heads})")
     return cfg
@@ -96,6 +97,7 @@ def _run(args: argparse.Namespace, cfg: DemoConfig, recipe: ss.Recipe) -> int:
         f"sequences x {cfg.seq_len} bytes\n"
         f"  data:    docstrings of {len(MODULES)} standard-library modules ({chars:,} chars), 95/5 split\n"
         f"  FP8:     {recipe!r}, backend {cfg.backend!r}\n"
+        f"{_layout_line(cfg, recipe)}"
         f"{_ranks_line(world)}"
         f"  torch {torch.__version__}, {torch.get_num_threads()} threads\n",
         flush=True,
@@ -143,6 +145,22 @@ def _run(args: argparse.Namespace, cfg: DemoConfig, recipe: ss.Recipe) -> int:
 
 def _silent(*args: Any, **kwargs: Any) -> None:
     pass
+
+
+def _layout_line(cfg: DemoConfig, recipe: ss.Recipe) -> str:
+    """Where the scales of a fine-grained recipe lie ("" for one scale per tensor)."""
+    if isinstance(recipe, ss.RowwiseScaling):
+        what = "one scale per row, along each product's contraction dimension"
+    elif isinstance(recipe, ss.BlockScaling):
+        b = recipe.block
+        what = f"1 x {b} tiles (inputs, output gradients), {b} x {b} blocks (weights)"
+        if cfg.block is None and b < FULL_BLOCK:
+            what += f"; {b}, not {FULL_BLOCK}: --d-model is {cfg.d_model}"
+    elif isinstance(recipe, ss.MXFP8Scaling):
+        what = "one E8M0 power of two per 32 elements along each product's contraction dimension"
+    else:
+        return ""
+    return f"  scales:  {what}\n"
 
 
 def _ranks_line(world: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import attrs
 import torch
@@ -16,7 +16,13 @@ from scalestate.demo.data import batches, corpus, encode
 from scalestate.demo.model import TinyLM
 from scalestate.demo.progress import Progress
 
-__all__ = ["DemoConfig", "RunResult", "train"]
+__all__ = ["RECIPE_NAMES", "DemoConfig", "RecipeName", "RunResult", "train"]
+
+#: What ``scalestate demo --recipe`` takes.
+RecipeName = Literal["delayed", "current", "rowwise", "block", "mxfp8"]
+RECIPE_NAMES: tuple[str, ...] = get_args(RecipeName)
+#: Tile edge of ``BlockScaling`` at full size (DeepSeek-V3's).
+FULL_BLOCK = 128
 
 
 @attrs.frozen
@@ -41,16 +47,36 @@ class DemoConfig:
     seed: int = 0
     #: scalestate backend of the FP8 runs.
     backend: str = "emulation"
-    #: ``"delayed"`` or ``"current"`` scaling.
-    recipe: Literal["delayed", "current"] = "delayed"
+    #: The FP8 recipe: ``"delayed"`` or ``"current"`` (one scale per tensor),
+    #: ``"rowwise"``, ``"block"`` or ``"mxfp8"`` (fine-grained, just in time).
+    recipe: RecipeName = "delayed"
     #: Amax history length of delayed scaling.
     history_len: int = 16
+    #: Tile and weight-block edge of ``"block"``; ``None``: :meth:`block_size` picks it.
+    block: int | None = None
+
+    def block_size(self) -> int:
+        """The block of ``"block"``: ``block`` if given, else 128, or the largest power
+        of two ``<= d_model`` where that is smaller, so that every weight of the
+        demo model spans at least one whole ``block x block`` block."""
+        if self.block is not None:
+            return self.block
+        return min(FULL_BLOCK, 1 << (max(self.d_model, 1).bit_length() - 1))
 
     def make_recipe(self) -> ss.Recipe:
-        """The scalestate recipe of the FP8 runs."""
+        """The scalestate recipe of the FP8 runs (the fine-grained ones with their defaults:
+        E4M3 everywhere; power-of-two scales for blocks and MX, exact ones for rows)."""
         if self.recipe == "current":
             return ss.CurrentScaling()
-        return ss.DelayedScaling(history_len=self.history_len)
+        if self.recipe == "rowwise":
+            return ss.RowwiseScaling()
+        if self.recipe == "block":
+            return ss.BlockScaling(block=self.block_size())
+        if self.recipe == "mxfp8":
+            return ss.MXFP8Scaling()
+        if self.recipe == "delayed":
+            return ss.DelayedScaling(history_len=self.history_len)
+        raise ValueError(f"recipe must be one of {', '.join(RECIPE_NAMES)}; got {self.recipe!r}")
 
 
 @attrs.frozen(eq=False)
