@@ -160,6 +160,11 @@ def dequantize(data: Tensor, scale_inv: Tensor, tile: tuple[int, int]) -> Tensor
     """
     rows, cols = tile
     s = e8m0_to_float32(scale_inv) if scale_inv.dtype == torch.float8_e8m0fnu else scale_inv.float()
+    if data.dim() >= 2 and data.numel() and data.shape[-2] % rows == 0 and data.shape[-1] % cols == 0:
+        # Whole tiles: broadcast each factor over a tile view (no repeated copy of the scales).
+        *lead, m, k = data.shape
+        tiles = data.float().reshape(*lead, m // rows, rows, k // cols, cols)
+        return (tiles * s[..., :, None, :, None]).reshape(data.shape)
     if cols > 1:
         s = s.repeat_interleave(cols, dim=-1)[..., : data.shape[-1]]
     if rows > 1:

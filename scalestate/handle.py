@@ -85,12 +85,20 @@ class ScalingHandle:
             role: one of the roles this handle was registered with.
             transpose: also make ``Quantized.transposed`` (2-d ``x`` only), in
                 the same pass, for products that need the other layout (see
-                ``manager.backend.wants_transposed(device)``).
+                ``manager.backend.wants_transposed(device)``). Under a
+                fine-grained recipe it is ``x.t()`` cast along its own rows
+                (scales ``t_scale``), which the products contracting over the
+                other axis need.
         """
         return self._manager._cast(self._slot(role), x, transpose)
 
     def scale(self, role: Role) -> Tensor:
-        """A copy of the slot's current scale (0-d float32)."""
+        """A copy of the slot's current scale (0-d float32).
+
+        Under a fine-grained recipe, casts scale each row, tile or block from
+        its own amax; this is the per-tensor scale the last step's amax
+        implies, kept for inspection only.
+        """
         return self._manager._scale_of(self._slot(role))
 
     def amax_history(self, role: Role) -> Tensor:
