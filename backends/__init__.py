@@ -7,7 +7,12 @@ or optional dependencies costs nothing until used.
 Built in:
 
 * ``emulation``: pure torch, any device; the reference.
-* ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, or CPU in recent torch).
+* ``scaled_mm``: torch's scaled-matmul kernels (CUDA sm89+, or CPU in recent
+  torch); fine-grained recipes where torch's kernels take them (see
+  :mod:`scalestate.backends.scaled_mm`). ``ScaledMMBackend(fallback="emulation")``
+  emulates the products they cannot run.
+
+Whether a backend runs a recipe on a device: :func:`supports`.
 
 Third parties register with :func:`register_backend`, or without any import
 through the entry-point group ``scalestate.backends`` (the entry point names a
@@ -31,8 +36,17 @@ from collections.abc import Callable
 
 import torch
 
-from scalestate.backends.base import Backend, CastRequest, CastSpec, StepUpdate
+from scalestate.backends.base import (
+    Backend,
+    CastRequest,
+    CastSpec,
+    StepUpdate,
+    SupportsRecipe,
+    granularity_label,
+    recipe_granularities,
+)
 from scalestate.errors import BackendUnavailableError, ScaleStateError, UnknownBackendError
+from scalestate.recipe import Recipe
 
 __all__ = [
     "Backend",
@@ -40,10 +54,13 @@ __all__ = [
     "CastRequest",
     "CastSpec",
     "StepUpdate",
+    "SupportsRecipe",
     "available_backends",
+    "check_supports",
     "get_backend",
     "register_backend",
     "resolve_backend",
+    "supports",
     "validate_backend",
 ]
 
@@ -174,16 +191,47 @@ def available_backends(device: torch.device | str | None = None) -> dict[str, tu
     return report
 
 
-def resolve_backend(name: str, device: torch.device | None = None) -> Backend:
+def supports(backend: Backend, recipe: Recipe, device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether ``backend`` runs every cast and product of ``recipe`` on ``device``, and why.
+
+    Asks the backend's optional ``supports(recipe, device)`` method (see
+    :class:`SupportsRecipe`) when it has one. A backend without it is taken
+    to run per-tensor recipes wherever :meth:`Backend.available` says it
+    runs, and no fine-grained recipe (it cannot be known to read
+    ``CastSpec.granularity``).
+
+    Example:
+        >>> import scalestate as ss
+        >>> from scalestate.backends.emulation import EmulationBackend
+        >>> ss.backends.supports(EmulationBackend(), ss.MXFP8Scaling(), "cpu")
+        (True, 'pure torch: runs every recipe on any device')
+    """
+    method = getattr(backend, "supports", None)
+    if callable(method):
+        answer: tuple[bool, str] = method(recipe, device)
+        return answer
+    dev = None if device is None else torch.device(device)
+    roles = recipe_granularities(recipe)
+    if all(g is None for g in roles.values()):
+        return backend.available(dev)
+    kinds = ", ".join(dict.fromkeys(granularity_label(g) for g in roles.values()))
+    return False, (
+        f"backend {backend.name!r} ({type(backend).__qualname__}) has no supports() method, so it is not "
+        f"known to run {type(recipe).__name__} ({kinds}); give it supports(recipe, device) "
+        "(see scalestate.backends.SupportsRecipe), or use backend='emulation'"
+    )
+
+
+def resolve_backend(name: str, device: torch.device | None = None, *, recipe: Recipe | None = None) -> Backend:
     """The backend a manager uses for ``name``, checked for availability.
 
     ``"auto"`` picks the best backend that can run on ``device`` (default:
-    CUDA if torch sees a GPU, else CPU) and logs its choice on the
-    ``scalestate`` logger.
+    CUDA if torch sees a GPU, else CPU), and that :func:`supports` ``recipe``
+    there when one is given; it logs its choice on the ``scalestate`` logger.
 
     Raises:
         UnknownBackendError: no backend is registered under ``name``.
-        BackendUnavailableError: it cannot run here; the message says why.
+        BackendUnavailableError: it cannot run here, or not ``recipe``; the message says why.
     """
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -195,6 +243,8 @@ def resolve_backend(name: str, device: torch.device | None = None) -> Backend:
                 f"backend {name!r} cannot run on {device}: {reason}. "
                 "Use backend='auto' or backend='emulation'"
             )
+        if recipe is not None:
+            check_supports(backend, name, recipe, device)
         return backend
     reasons = []
     for candidate in _AUTO_ORDER.get(device.type, ("emulation",)):
@@ -204,6 +254,8 @@ def resolve_backend(name: str, device: torch.device | None = None) -> Backend:
         try:  # a broken optional backend must not hide the ones after it
             backend = get_backend(candidate)
             ok, reason = backend.available(device)
+            if ok and recipe is not None:
+                ok, reason = supports(backend, recipe, device)
         except Exception as exc:
             reasons.append(f"{candidate}: failed to load: {type(exc).__name__}: {exc}")
             continue
@@ -211,4 +263,14 @@ def resolve_backend(name: str, device: torch.device | None = None) -> Backend:
             _log.info("scalestate: backend='auto' chose %r on %s (%s)", candidate, device, reason)
             return backend
         reasons.append(f"{candidate}: {reason}")
-    raise BackendUnavailableError(f"no backend can run on {device}: " + "; ".join(reasons))
+    what = "" if recipe is None else f" {type(recipe).__name__}"
+    raise BackendUnavailableError(f"no backend can run{what} on {device}: " + "; ".join(reasons))
+
+
+def check_supports(backend: Backend, label: str, recipe: Recipe, device: torch.device) -> None:
+    """Raise :class:`BackendUnavailableError` with the reason if ``backend`` does not :func:`supports` ``recipe``."""
+    ok, reason = supports(backend, recipe, device)
+    if not ok:
+        raise BackendUnavailableError(
+            f"backend {label!r} does not support {type(recipe).__name__} on {device}: {reason}"
+        )

@@ -11,6 +11,14 @@ optimizer step the manager hands it one :class:`StepUpdate` for all slots.
 A backend is any object with the members of :class:`Backend`; subclassing it
 is optional (it is a :class:`typing.Protocol`). The emulation backend is the
 readable reference of every rule below.
+
+One member is optional and not part of the runtime check:
+``supports(recipe, device) -> tuple[bool, str]`` (see :class:`SupportsRecipe`),
+whether the backend runs a recipe's casts and products on a device. A manager
+asks it (through :func:`scalestate.backends.supports`) when it binds its
+backend to a device, and fails at once when the answer is no; a backend
+without it is taken to run per-tensor recipes wherever it is available, and
+no fine-grained ones.
 """
 
 from __future__ import annotations
@@ -24,8 +32,17 @@ from torch import Tensor
 from scalestate.finegrained import Granularity
 from scalestate.math import ScaleRule
 from scalestate.quantized import Quantized
+from scalestate.recipe import Recipe, Role
 
-__all__ = ["Backend", "CastRequest", "CastSpec", "StepUpdate"]
+__all__ = [
+    "Backend",
+    "CastRequest",
+    "CastSpec",
+    "StepUpdate",
+    "SupportsRecipe",
+    "granularity_label",
+    "recipe_granularities",
+]
 
 
 @attrs.frozen
@@ -117,6 +134,9 @@ class Backend(Protocol):
     #: The name it is registered under.
     name: str
 
+    # Optional, not checked at run time (see SupportsRecipe):
+    # def supports(self, recipe: Recipe, device: torch.device | str | None = None) -> tuple[bool, str]
+
     def available(self, device: torch.device | None = None) -> tuple[bool, str]:
         """Whether it can run on ``device`` (default: where it would run), and why.
 
@@ -152,3 +172,49 @@ class Backend(Protocol):
     def update(self, update: StepUpdate) -> None:
         """Apply the step update of every slot in place (see :class:`StepUpdate`)."""
         ...
+
+
+@runtime_checkable
+class SupportsRecipe(Protocol):
+    """The optional member of a backend: which recipes it runs where.
+
+    Not part of :class:`Backend` (backends written without it keep working);
+    :func:`scalestate.backends.supports` asks it when present.
+    """
+
+    def supports(self, recipe: Recipe, device: torch.device | str | None = None) -> tuple[bool, str]:
+        """Whether every cast and product of ``recipe`` runs on ``device`` (default: where it would run), and why.
+
+        The reason is shown to users verbatim: when the answer is no, name the
+        recipe's granularity (``"1 x 128 tiles"``), the device, and what would
+        run it. A backend that computes some products another way (a fallback)
+        answers yes and says so. Answer without running tensor operations,
+        like :meth:`Backend.available` (a manager asks when it binds to a
+        device, which may be inside a checkpointed region).
+        """
+        ...
+
+
+def recipe_granularities(recipe: Recipe) -> dict[Role, Granularity | None]:
+    """The granularity of each role's casts under ``recipe`` (``None``: one scale per tensor)."""
+    return {role: recipe.granularity(role) for role in Role}
+
+
+def granularity_label(granularity: Granularity | None) -> str:
+    """A granularity in words, for messages: ``"1 x 128 tiles"``, ``"128 x 128 blocks"``, ...
+
+    Example:
+        >>> from scalestate.finegrained import Granularity
+        >>> granularity_label(Granularity("tile", 128)), granularity_label(None)
+        ('1 x 128 tiles', 'per-tensor scales')
+    """
+    if granularity is None:
+        return "per-tensor scales"
+    kind, block = granularity.kind, granularity.block
+    if kind == "row":
+        return "row-wise scales"
+    if kind == "tile":
+        return f"1 x {block} tiles"
+    if kind == "block":
+        return f"{block} x {block} blocks"
+    return f"E8M0-scaled MX blocks of {block}"

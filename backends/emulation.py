@@ -18,6 +18,7 @@ from scalestate.backends.base import CastRequest, StepUpdate
 from scalestate.finegrained import quantize as fine_quantize
 from scalestate.math import scale_from_amax, update_scales
 from scalestate.quantized import Quantized
+from scalestate.recipe import Recipe
 
 __all__ = ["EmulationBackend"]
 
@@ -36,6 +37,10 @@ class EmulationBackend:
     def available(self, device: torch.device | None = None) -> tuple[bool, str]:
         """Always available: it needs nothing beyond torch's float8 dtypes."""
         return True, "pure torch: runs on any device"
+
+    def supports(self, recipe: Recipe, device: torch.device | str | None = None) -> tuple[bool, str]:
+        """Always: every recipe's casts and products are pure torch, on any device."""
+        return True, "pure torch: runs every recipe on any device"
 
     def cast(self, request: CastRequest) -> Quantized:
         """The reference cast: amax, scale, saturating round, record, optional transpose."""

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from scalestate.backends import Backend, get_backend, resolve_backend, validate_backend
+from scalestate.backends import Backend, check_supports, get_backend, resolve_backend, validate_backend
 from scalestate.errors import BackendUnavailableError, ScaleStateError
+from scalestate.recipe import Recipe
 from scalestate.state import State
 
 __all__ = ["BackendBinding", "canonical_device", "settle_during_trace"]
@@ -19,10 +20,16 @@ class BackendBinding:
     for the state's device: at construction when a device was given, else at
     the first cast, whose tensor's device the state then follows. From then
     on the device is fixed until an explicit :meth:`move`.
+
+    Given the manager's ``recipe``, the check also asks whether the backend
+    runs it on that device (:func:`scalestate.backends.supports`): a backend
+    that does not fails there, with the reason, before anything is cast, and
+    ``"auto"`` passes over such backends.
     """
 
-    def __init__(self, backend: str | Backend, state: State) -> None:
+    def __init__(self, backend: str | Backend, state: State, recipe: Recipe | None = None) -> None:
         self._state = state
+        self._recipe = recipe
         self._name = backend if isinstance(backend, str) else validate_backend(backend).name
         self._backend: Backend | None = None
         if not isinstance(backend, str):
@@ -56,7 +63,7 @@ class BackendBinding:
     def _check(self) -> None:
         device = self._state.device
         if self._backend is None:
-            self._backend = resolve_backend("auto", device)
+            self._backend = resolve_backend("auto", device, recipe=self._recipe)
         else:
             ok, reason = self._backend.available(device)
             if not ok:
@@ -64,6 +71,8 @@ class BackendBinding:
                     f"backend {self._name!r} cannot run on {device}: {reason}. "
                     "Use backend='auto' or backend='emulation'"
                 )
+            if self._recipe is not None:
+                check_supports(self._backend, self._name, self._recipe, device)
         self._checked = True
 
     def settle(self, device: torch.device | None) -> None:

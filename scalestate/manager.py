@@ -120,7 +120,7 @@ class ScalingStateManager:
             for role in Role
         }
         self._state = State(dev or torch.device("cpu"), recipe.history_len, debug=bool(debug))
-        self._binding = BackendBinding(backend, self._state)
+        self._binding = BackendBinding(backend, self._state, recipe)
         self._handles: dict[str, ScalingHandle] = {}
         self._caster = Caster(self._state, self._binding, delayed=self._delayed)
         self._reduction = Reduction(group)
