@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from scalestate.backends.base import CastRequest, StepUpdate
+from scalestate.finegrained import apply_tile_scales
 from scalestate.finegrained import quantize as fine_quantize
 from scalestate.math import scale_from_amax, update_scales
 from scalestate.quantized import Quantized
@@ -77,25 +78,29 @@ class EmulationBackend:
         return False
 
     def dequantize(self, q: Quantized) -> Tensor:
-        """``q.data * q.scale_inv`` in float32.
+        """``q.data * q.scale_inv`` in float32, each factor over its tile.
 
         On CPU, torch's E4M3 to float32 cast is several times slower than a
-        gather from a 256-entry table built with that very cast; for large
-        per-tensor-scaled operands the table is scaled first (256 products
-        instead of one per element), which gives the same bits as scaling
-        every element.
+        gather from a 256-entry table built with that very cast; large E4M3
+        operands are converted through it. Per-tensor scales scale the table
+        first (256 products instead of one per element), which gives the same
+        bits as scaling every element; per-tile scales are applied to the
+        gathered values.
         """
         data = q.data
-        if q.tile is not None:
-            return q.dequantize()
         if (
             data.numel() < _TABLE_MIN_NUMEL
             or data.dtype != torch.float8_e4m3fn
             or data.device.type != "cpu"
-            or q.scale_inv.dim() != 0
             or torch.compiler.is_compiling()
         ):
-            return data.to(torch.float32).mul_(q.scale_inv)
+            return q.dequantize() if q.tile is not None else data.to(torch.float32).mul_(q.scale_inv)
+        if q.tile is not None:
+            return apply_tile_scales(self._gather(data, None), q.scale_inv, q.tile)
+        return self._gather(data, q.scale_inv)
+
+    def _gather(self, data: Tensor, scale_inv: Tensor | None) -> Tensor:
+        """E4M3 ``data`` as float32 (times a 0-d ``scale_inv`` if given) through the table."""
         table = self._e4m3_tables.get(data.device)
         if table is None:
             codes = torch.arange(256, dtype=torch.uint8, device=data.device)
@@ -104,7 +109,7 @@ class EmulationBackend:
         flip = codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous()
         if flip:  # a transposed operand: gather in its memory order, transpose back
             codes = codes.t()
-        values = torch.index_select(table * q.scale_inv, 0, codes.reshape(-1).int())
+        values = torch.index_select(table if scale_inv is None else table * scale_inv, 0, codes.reshape(-1).int())
         values = values.view(codes.shape)
         return values.t() if flip else values
 

@@ -60,6 +60,7 @@ __all__ = [
     "MX_BLOCK",
     "FineQuantized",
     "Granularity",
+    "apply_tile_scales",
     "dequantize",
     "mx_exponent",
     "quantize",
@@ -158,18 +159,23 @@ def dequantize(data: Tensor, scale_inv: Tensor, tile: tuple[int, int]) -> Tensor
         tile: ``(rows, columns)`` of ``data`` covered by one factor; partial
             tiles at the edges take their factor like whole ones.
     """
+    return apply_tile_scales(data.float(), scale_inv, tile)
+
+
+def apply_tile_scales(values: Tensor, scale_inv: Tensor, tile: tuple[int, int]) -> Tensor:
+    """:func:`dequantize` of FP8 data already converted to float32 (``values``), exactly."""
     rows, cols = tile
-    s = e8m0_to_float32(scale_inv) if scale_inv.dtype == torch.float8_e8m0fnu else scale_inv.float()
-    if data.dim() >= 2 and data.numel() and data.shape[-2] % rows == 0 and data.shape[-1] % cols == 0:
+    s = _e8m0_decode(scale_inv) if scale_inv.dtype == torch.float8_e8m0fnu else scale_inv.float()
+    if values.dim() >= 2 and values.numel() and values.shape[-2] % rows == 0 and values.shape[-1] % cols == 0:
         # Whole tiles: broadcast each factor over a tile view (no repeated copy of the scales).
-        *lead, m, k = data.shape
-        tiles = data.float().reshape(*lead, m // rows, rows, k // cols, cols)
-        return (tiles * s[..., :, None, :, None]).reshape(data.shape)
+        *lead, m, k = values.shape
+        tiles = values.reshape(*lead, m // rows, rows, k // cols, cols)
+        return (tiles * s[..., :, None, :, None]).reshape(values.shape)
     if cols > 1:
-        s = s.repeat_interleave(cols, dim=-1)[..., : data.shape[-1]]
+        s = s.repeat_interleave(cols, dim=-1)[..., : values.shape[-1]]
     if rows > 1:
-        s = s.repeat_interleave(rows, dim=-2)[..., : data.shape[-2], :]
-    return data.float() * s
+        s = s.repeat_interleave(rows, dim=-2)[..., : values.shape[-2], :]
+    return values * s
 
 
 def quantize_rowwise(
@@ -334,7 +340,7 @@ def _lastdim(
     if rule is None:
         e = mx_exponent(tile_amax, fp8_max)
         scale = _pow2(-e)
-        scale_inv = e8m0_from_exponent(e)
+        scale_inv = _e8m0_encode(e)
     else:
         scale = scale_from_amax(tile_amax, fp8_max, rule)
         scale_inv = torch.reciprocal(scale)
@@ -366,6 +372,23 @@ def e8m0_to_float32(s: Tensor) -> Tensor:
 @e8m0_to_float32.register_fake
 def _(s: Tensor) -> Tensor:
     return torch.empty_like(s, dtype=torch.float32)
+
+
+def _e8m0_encode(e: Tensor) -> Tensor:
+    """:func:`e8m0_from_exponent`, called as an op only while compiling (a custom op costs
+    tens of microseconds of dispatch in eager code)."""
+    if torch.compiler.is_compiling():
+        encoded: Tensor = e8m0_from_exponent(e)
+        return encoded
+    return (e + _E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _e8m0_decode(s: Tensor) -> Tensor:
+    """:func:`e8m0_to_float32`, called as an op only while compiling."""
+    if torch.compiler.is_compiling():
+        decoded: Tensor = e8m0_to_float32(s)
+        return decoded
+    return s.float()
 
 
 def _pow2(n: Tensor) -> Tensor:
