@@ -6,13 +6,45 @@ import pytest
 import torch
 
 import scalestate as ss
+from helpers import backend_for
 from scalestate import backends as registry
+from scalestate.backends import Backend
 
 RECIPES = {
     "delayed": ss.DelayedScaling(history_len=4),
     "current": ss.CurrentScaling(),
+    "rowwise": ss.RowwiseScaling(),
+    # 8-element tiles and 8 x 8 weight blocks, not the default 128: the tests' layers are
+    # DIM = 32 wide (64 and 128 inside the MLPs), so each row holds 4 or more tiles and each
+    # weight 16 or more blocks, and the scales really differ within a tensor (with 128 a
+    # row would be one tile, i.e. row-wise again, and a weight one block, i.e. per tensor).
+    "block": ss.BlockScaling(block=8),
+    # MX blocks are fixed at 32 elements: one per DIM-wide row, 2 or 4 per MLP row.
+    "mxfp8": ss.MXFP8Scaling(),
 }
 CPU_BACKENDS = ("emulation", "scaled_mm")
+#: Per-tensor recipes run on every CPU backend everywhere. The slowest parity files (those that
+#: set ``FINE_RECIPES_ON_ONE_BACKEND = True``) run each fine-grained recipe on one backend only,
+#: which would otherwise more than double them: row-wise on scaled_mm (torch's own row-wise
+#: kernel), block and MX on emulation (scaled_mm falls back to those very emulated products).
+#: The other pairs run in every other file that takes the fixtures.
+FINE_RECIPE_BACKEND = {"rowwise": "scaled_mm", "block": "emulation", "mxfp8": "emulation"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the fine-grained recipe x backend pairs that FINE_RECIPE_BACKEND leaves out."""
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        recipe, backend = params.get("recipe"), params.get("backend")
+        one_backend = getattr(getattr(item, "module", None), "FINE_RECIPES_ON_ONE_BACKEND", False)
+        if one_backend and recipe in FINE_RECIPE_BACKEND and backend != FINE_RECIPE_BACKEND[recipe]:
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(params=sorted(RECIPES))
@@ -21,12 +53,19 @@ def recipe(request: pytest.FixtureRequest) -> ss.Recipe:
 
 
 @pytest.fixture(params=CPU_BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+def backend(request: pytest.FixtureRequest) -> str | Backend:
+    """A backend name, or for scaled_mm with a recipe its CPU kernel cannot run, an object.
+
+    The test id stays the name (``[block-scaled_mm]``); see :func:`helpers.backend_for`.
+    """
+    name = str(request.param)
+    if "recipe" not in request.fixturenames:
+        return name
+    return backend_for(request.getfixturevalue("recipe"), name)
 
 
 @pytest.fixture
-def manager(recipe: ss.Recipe, backend: str) -> ss.ScalingStateManager:
+def manager(recipe: ss.Recipe, backend: str | Backend) -> ss.ScalingStateManager:
     return ss.ScalingStateManager(recipe, backend=backend)
 
 

@@ -151,10 +151,10 @@ class TestWeightCastCache:
     def test_new_tensor_at_same_address_is_not_a_hit(self, manager):
         """A freed weight's address reused by a new tensor never hits the cache."""
         h = manager.register("w", roles=(W,))
-        with manager.forward():
-            a = h.quantize(torch.full((64,), 1.0), W).dequantize()
-            b = h.quantize(torch.full((64,), 3.0), W).dequantize()
-        assert a[0].item() == 1.0 and b[0].item() == 3.0
+        with manager.forward():  # 2-d: block recipes cast weights in block x block blocks
+            a = h.quantize(torch.full((8, 8), 1.0), W).dequantize()
+            b = h.quantize(torch.full((8, 8), 3.0), W).dequantize()
+        assert a[0, 0].item() == 1.0 and b[0, 0].item() == 3.0
 
     def test_transposed_request_is_not_served_without_the_copy(self, delayed):
         """A cached cast without a transposed copy does not serve a request that needs one."""

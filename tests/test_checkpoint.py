@@ -16,6 +16,9 @@ import torch
 import scalestate as ss
 from helpers import MECHANISMS, assert_bitwise, train
 
+#: Each fine-grained recipe on one backend here (see conftest.FINE_RECIPE_BACKEND).
+FINE_RECIPES_ON_ONE_BACKEND = True
+
 
 @functools.cache
 def reference(recipe: ss.Recipe, backend: str, kind: str, explicit: bool = True):

@@ -23,6 +23,13 @@ import scalestate as ss
 from helpers import Record, assert_bitwise, train
 
 RECIPES = {"delayed": ss.DelayedScaling(history_len=4), "current": ss.CurrentScaling()}
+#: Fine-grained recipes (as in conftest.RECIPES), each on the one backend of
+#: conftest.FINE_RECIPE_BACKEND, on a representative subset (TestFineGrained): every
+#: checkpoint of the fullgraph MLP, the transformer block, and Inductor. All of the per-tensor
+#: matrix for them would more than double this file.
+FINE_RECIPES = {"rowwise": ss.RowwiseScaling(), "block": ss.BlockScaling(block=8), "mxfp8": ss.MXFP8Scaling()}
+FINE_BACKEND = {"rowwise": "scaled_mm", "block": "emulation", "mxfp8": "emulation"}
+ALL_RECIPES = {**RECIPES, **FINE_RECIPES}
 #: Checkpointing inside the compiled model: none, torch's non-reentrant checkpoint per block,
 #: checkpoint_wrapper, ss.checkpoint.
 CHECKPOINTS = {
@@ -55,13 +62,13 @@ def _fresh_dynamo():
 @functools.cache
 def _eager(kind: str, recipe: str, backend: str, checkpoint: str) -> Record:
     mechanism, granularity = CHECKPOINTS[checkpoint]
-    return train(RECIPES[recipe], backend, kind=kind, mechanism=mechanism, granularity=granularity, evaluate=True)
+    return train(ALL_RECIPES[recipe], backend, kind=kind, mechanism=mechanism, granularity=granularity, evaluate=True)
 
 
 def _compiled(kind: str, recipe: str, backend: str, checkpoint: str, compiler: str, fullgraph: bool) -> Record:
     mechanism, granularity = CHECKPOINTS[checkpoint]
     rec = train(
-        RECIPES[recipe], backend, kind=kind, mechanism=mechanism, granularity=granularity, evaluate=True,
+        ALL_RECIPES[recipe], backend, kind=kind, mechanism=mechanism, granularity=granularity, evaluate=True,
         compile_kwargs={"backend": compiler, "fullgraph": fullgraph},
     )
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
@@ -128,6 +135,35 @@ class TestInductor:
         for step, (mine, theirs) in enumerate(zip(got.params, want.params, strict=True)):
             for name, value in theirs.items():
                 assert (mine[name] - value).abs().max() <= BLOCK_INDUCTOR_PARAM_LRS_PER_STEP * lr * (step + 1)
+        _evaluation_recorded_nothing(got)
+
+
+class TestFineGrained:
+    """The fine-grained recipes: bitwise under aot_eager and, for the MLP, Inductor."""
+
+    @pytest.mark.parametrize("checkpoint", sorted(CHECKPOINTS))
+    @pytest.mark.parametrize("recipe", sorted(FINE_RECIPES))
+    def test_mlp_fullgraph(self, recipe, checkpoint):
+        """The converted MLP under fullgraph, with each checkpoint: bitwise eager's, every step."""
+        backend = FINE_BACKEND[recipe]
+        got = _compiled("mlp", recipe, backend, checkpoint, "aot_eager", True)
+        assert_bitwise(_eager("mlp", recipe, backend, checkpoint), got)
+        _evaluation_recorded_nothing(got)
+
+    @pytest.mark.parametrize("recipe", sorted(FINE_RECIPES))
+    def test_transformer_block(self, recipe):
+        """The transformer blocks, checkpointed, fullgraph: bitwise eager's."""
+        backend = FINE_BACKEND[recipe]
+        got = _compiled("block", recipe, backend, "non_reentrant", "aot_eager", True)
+        assert_bitwise(_eager("block", recipe, backend, "non_reentrant"), got)
+        _evaluation_recorded_nothing(got)
+
+    @pytest.mark.parametrize("recipe", sorted(FINE_RECIPES))
+    def test_mlp_inductor_is_bitwise(self, recipe):
+        """The bias-free ReLU MLP, checkpointed, fullgraph, Inductor: bitwise eager's."""
+        backend = FINE_BACKEND[recipe]
+        got = _compiled("mlp", recipe, backend, "non_reentrant", "inductor", True)
+        assert_bitwise(_eager("mlp", recipe, backend, "non_reentrant"), got)
         _evaluation_recorded_nothing(got)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import scalestate as ss
-from helpers import assert_bitwise, train
+from helpers import assert_bitwise, backend_for, train
 from scalestate.errors import BackendUnavailableError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible to torch")
@@ -92,6 +92,7 @@ class TestParityOnCuda:
     @pytest.mark.parametrize("mechanism", ["non_reentrant", "reentrant", "selective"])
     def test_checkpoint_parity(self, recipe, backend, mechanism):
         """Every block checkpointed vs none, 5 steps on the GPU: bitwise equal."""
+        backend = backend_for(recipe, backend)  # 1 x 8 tiles and MX on sm90: emulated products
         ref = train(recipe, backend, device="cuda")
         got = train(recipe, backend, device="cuda", mechanism=mechanism, granularity="block")
         assert_bitwise(ref, got)
@@ -112,7 +113,7 @@ class TestNoHostSync:
         """With CUDA sync debugging set to error, forward, recompute, backward and step() run clean."""
         from helpers import Model
 
-        m = ss.ScalingStateManager(recipe, backend=backend)
+        m = ss.ScalingStateManager(recipe, backend=backend_for(recipe, backend))
         model = Model(m, mechanism="non_reentrant", granularity="block").cuda()
         xs = [torch.randn(2, 8, 32, device="cuda") * (i + 1) for i in range(3)]
         model(xs[0]).sum().backward()  # warm up: state moves to the GPU, kernels load

@@ -12,6 +12,9 @@ import scalestate as ss
 from helpers import assert_bitwise, train
 from scalestate.errors import RecomputeMismatchError
 
+#: Each fine-grained recipe on one backend here (see conftest.FINE_RECIPE_BACKEND).
+FINE_RECIPES_ON_ONE_BACKEND = True
+
 
 def _noisy_model(m):
     """A region whose recompute differs from its forward: dropout with its RNG state not preserved."""

@@ -10,6 +10,9 @@ import torch
 import scalestate as ss
 from helpers import assert_bitwise, train
 
+#: Each fine-grained recipe on one backend here (see conftest.FINE_RECIPE_BACKEND).
+FINE_RECIPES_ON_ONE_BACKEND = True
+
 
 @functools.cache
 def reference(recipe: ss.Recipe, backend: str, microbatches: int = 4):
@@ -65,7 +68,11 @@ class TestMicrobatchOrder:
         b = train(
             recipe, backend, microbatches=4, lr=0.0, order=[3, 2, 1, 0], mechanism="reentrant", granularity="block"
         )
-        assert len({tuple(s.tolist()) for s in a.scales}) == len(a.scales)
+        # Not vacuous: the state moves every step (block and MX round scales to powers of two,
+        # which may repeat from one step to the next; the amaxes they come from do not).
+        assert len({tuple(h.flatten().tolist()) for h in a.histories}) == len(a.histories)
+        if not recipe.power_of_2:
+            assert len({tuple(s.tolist()) for s in a.scales}) == len(a.scales)
         for x, y in zip(a.histories, b.histories, strict=False):
             assert torch.equal(x, y)
         for x, y in zip(a.scales, b.scales, strict=False):

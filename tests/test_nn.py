@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import scalestate as ss
+from helpers import backend_for
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 
@@ -55,7 +56,7 @@ class TestNumerics:
         """emulation and scaled_mm give the same outputs and grads (1e-5 relative)."""
         results = []
         for backend in ("emulation", "scaled_mm"):
-            m = ss.ScalingStateManager(recipe, backend=backend)
+            m = ss.ScalingStateManager(recipe, backend=backend_for(recipe, backend))
             torch.manual_seed(0)
             layer = ss.nn.Linear(64, 32, manager=m, name="fc")
             x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
