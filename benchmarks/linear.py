@@ -1,10 +1,13 @@
-"""Side-by-side timing of one Linear layer's forward + backward.
+"""Side-by-side timing of one Linear layer's forward + backward, per recipe and backend.
 
 Compares, in one run on one device: torch.nn.Linear in the input dtype (the
-baseline), and ss.nn.Linear on each backend that can run there. Prints
-milliseconds per iteration and the ratio to the baseline.
+baseline), and ss.nn.Linear for each recipe asked for on each backend that can
+run it there. Prints milliseconds per iteration and the ratio to the baseline,
+and the bytes the layer saves for backward (activations: the baseline saves
+the high-precision input; ss.nn.Linear saves FP8 data and scales only).
 
-    python benchmarks/linear.py                        # CPU, 1024 x 1024, 2048 tokens
+    python benchmarks/linear.py                        # CPU, 1024 x 1024, 2048 tokens, delayed scaling
+    python benchmarks/linear.py --recipes delayed,current,rowwise,block,mxfp8
     python benchmarks/linear.py --device cuda --dtype bfloat16 --size 8192 --tokens 16384
 """
 
@@ -32,6 +35,30 @@ def _time(fn: Callable[[], None], device: torch.device, iters: int, warmup: int 
     return (time.perf_counter() - start) / iters * 1e3
 
 
+RECIPES: dict[str, Callable[[], ss.Recipe]] = {
+    "delayed": ss.DelayedScaling,
+    "current": ss.CurrentScaling,
+    "rowwise": ss.RowwiseScaling,
+    "block": ss.BlockScaling,
+    "mxfp8": ss.MXFP8Scaling,
+}
+
+
+def _saved_bytes(step: Callable[[], None]) -> int:
+    """Bytes of the tensors autograd saves for backward during one step (parameters excluded)."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if not isinstance(t, torch.nn.Parameter):
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -39,7 +66,14 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024, help="in and out features")
     parser.add_argument("--tokens", type=int, default=2048, help="rows of the input")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument(
+        "--recipes", default="delayed", help=f"comma-separated, from: {', '.join(RECIPES)} (default: delayed)"
+    )
     args = parser.parse_args()
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    unknown = sorted(set(recipes) - set(RECIPES))
+    if unknown:
+        parser.error(f"unknown recipe(s) {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     x = torch.randn(args.tokens, args.size, device=device, dtype=dtype, requires_grad=True)
     g = torch.randn(args.tokens, args.size, device=device, dtype=dtype)
@@ -53,19 +87,28 @@ def main() -> None:
         return step
 
     base = torch.nn.Linear(args.size, args.size, device=device, dtype=dtype)
-    rows = [("torch.nn.Linear", _time(step_of(base), device, args.iters))]
+    rows = [("torch.nn.Linear", _time(step_of(base), device, args.iters), _saved_bytes(step_of(base)))]
     for name, (ok, reason) in ss.backends.available_backends(device).items():
-        if not ok:
-            rows.append((f"ss.nn.Linear[{name}]", float("nan")))
-            print(f"  ({name} skipped: {reason})")
-            continue
-        manager = ss.ScalingStateManager(ss.DelayedScaling(), backend=name)
-        layer = ss.nn.Linear(args.size, args.size, manager=manager, device=device, dtype=dtype)
-        layer.load_state_dict(base.state_dict())
-        rows.append((f"ss.nn.Linear[{name}]", _time(step_of(layer), device, args.iters)))
+        for recipe_name in recipes:
+            label = f"ss.nn.Linear[{recipe_name}, {name}]"
+            if not ok:
+                print(f"  ({label} skipped: {reason})")
+                continue
+            manager = ss.ScalingStateManager(RECIPES[recipe_name](), backend=name)
+            layer = ss.nn.Linear(args.size, args.size, manager=manager, device=device, dtype=dtype)
+            layer.load_state_dict(base.state_dict())
+            try:
+                saved = _saved_bytes(step_of(layer))
+            except ss.errors.BackendUnavailableError as e:
+                print(f"  ({label} skipped: {e})")
+                continue
+            rows.append((label, _time(step_of(layer), device, args.iters), saved))
     print(f"forward+backward, {args.tokens} x {args.size} @ {args.size} x {args.size}, {dtype}, {device}")
-    for label, ms in rows:
-        print(f"  {label:<28} {ms:9.3f} ms   x{ms / rows[0][1]:.2f} of torch.nn.Linear")
+    for label, ms, saved in rows:
+        print(
+            f"  {label:<40} {ms:9.3f} ms   x{ms / rows[0][1]:.2f} of torch.nn.Linear   "
+            f"saved for backward {saved / 2**20:7.2f} MiB (x{saved / rows[0][2]:.2f})"
+        )
 
 
 if __name__ == "__main__":
