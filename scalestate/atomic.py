@@ -46,8 +46,9 @@ def atomic_save(obj: object, path: str | os.PathLike[str]) -> None:
     clean up: it may leave one hidden ``.<name>.*.tmp`` file, never a torn
     ``path``; such leftovers are safe to delete once no save is running.
 
-    Load the result with ``torch.load(path, weights_only=True)`` (see
-    docs/checkpointing.md, "Crash-safe checkpoints", for the full recipe).
+    Load the result with ``torch.load(path, weights_only=True)`` (the
+    documentation's checkpointing page, "Crash-safe checkpoints", has the full
+    recipe).
 
     Args:
         obj: what to save, as for ``torch.save``.
@@ -55,8 +56,9 @@ def atomic_save(obj: object, path: str | os.PathLike[str]) -> None:
             ``path`` is replaced by the file, not followed.
 
     Raises:
-        Whatever ``torch.save`` or the file system raises; ``path`` is then
-        unchanged.
+        Exception: whatever ``torch.save`` or the file system raises (``OSError``
+            for a full disk, a missing directory, no permission; ``pickle`` errors
+            for an object that cannot be serialized); ``path`` is then unchanged.
     """
     target = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(target)

@@ -49,9 +49,11 @@ class Quantized:
         scale_inv: the dequantization factor; ``torch.reciprocal(scale)`` when not given.
         transposed: optional contiguous quantization of ``x.t()`` (2-d data only).
         tile: the ``(rows, columns)`` one scale covers; ``None``: one scale (0-d).
-        t_scale, t_scale_inv, t_tile: those of ``transposed``; default: ``scale``,
-            ``scale_inv`` and ``tile`` transposed (right for per-tensor scales and
-            square blocks).
+        t_scale: the ``scale`` of ``transposed``; default: ``scale`` transposed
+            (right for per-tensor scales and square blocks).
+        t_scale_inv: the ``scale_inv`` of ``transposed``; default: ``scale_inv``
+            transposed.
+        t_tile: the ``tile`` of ``transposed``; default: ``tile`` transposed.
 
     Example:
         >>> import torch, scalestate as ss

@@ -301,6 +301,12 @@ class MXFP8Scaling(_JustInTime):
 
 
 Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling | MXFP8Scaling
+"""Any recipe: the type of ``ScalingStateManager``'s ``recipe`` argument.
 
-#: Every recipe class (what ``ScalingStateManager`` accepts).
+Per tensor: :class:`DelayedScaling` (from the amax history of earlier steps) and
+:class:`CurrentScaling` (from the tensor, just in time). Fine-grained, just in
+time: :class:`RowwiseScaling`, :class:`BlockScaling`, :class:`MXFP8Scaling`.
+"""
+
 RECIPES: tuple[type, ...] = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXFP8Scaling)
+"""Every recipe class (what ``ScalingStateManager`` accepts)."""
