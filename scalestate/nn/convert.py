@@ -1,17 +1,199 @@
-"""`convert`: swap a model's ``torch.nn.Linear`` layers for FP8 ones."""
+"""`convert`: swap a model's layers for FP8 ones; `register_conversion`: which layers, and how.
+
+The module types :func:`convert` swaps come from a registry of conversions:
+``torch.nn.Linear`` is registered by default, transformers' ``Conv1D`` as soon
+as transformers is in use (see :mod:`scalestate.integrations.transformers`),
+and any other type with :func:`register_conversion`. Matching is by exact type
+unless a conversion is registered with ``subclasses=True``: a subclass may
+compute more than its base in ``forward``, which a swap would lose.
+"""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
 
+import attrs
 import torch
 
-from scalestate.errors import SlotError
+from scalestate.errors import ScaleStateError, SlotError
+from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.nn.fsdp import wrap_weight
 from scalestate.nn.linear import Linear, _free_name
 
-__all__ = ["convert"]
+__all__ = [
+    "ConversionFn",
+    "ConversionRequest",
+    "convert",
+    "register_conversion",
+    "registered_conversions",
+    "unregister_conversion",
+]
+
+
+@attrs.frozen
+class ConversionRequest:
+    """What a conversion function is asked to build: passed to every registered ``fn``.
+
+    A frozen record, so that later versions can add fields without changing
+    the signature of the functions already written against it.
+    """
+
+    #: The manager that must own the new module's scaling state.
+    manager: ScalingStateManager
+    #: The slot name to register (the module's path in the model, or for a
+    #: model that is itself converted, a free name such as ``"linear"``).
+    #: :func:`convert` has checked that it is not taken.
+    name: str
+    #: Whether FSDP2 should all-gather the new module's weight in FP8 (see
+    #: :class:`scalestate.nn.Linear`); a conversion that cannot do so raises.
+    fp8_all_gather: bool = False
+
+
+#: ``fn(module, request) -> new_module``: builds the FP8 replacement of ``module``.
+ConversionFn = Callable[[torch.nn.Module, ConversionRequest], torch.nn.Module]
+
+
+@attrs.frozen
+class _Registration:
+    fn: ConversionFn
+    subclasses: bool
+
+
+def _convert_linear(module: torch.nn.Module, request: ConversionRequest) -> torch.nn.Module:
+    """The default conversion of ``torch.nn.Linear``: a :class:`scalestate.nn.Linear` on its parameters."""
+    if not isinstance(module, torch.nn.Linear):
+        raise TypeError(f"the torch.nn.Linear conversion got a {type(module).__name__}, not a torch.nn.Linear")
+    new = Linear(
+        module.in_features,
+        module.out_features,
+        bias=module.bias is not None,
+        manager=request.manager,
+        name=request.name,
+        device="meta",
+        fp8_all_gather=request.fp8_all_gather,
+    )
+    new.weight = wrap_weight(module.weight, new.handle) if request.fp8_all_gather else module.weight
+    new.bias = module.bias
+    new.train(module.training)
+    return new
+
+
+# The one process-wide registry, as for backends (scalestate.backends.register_backend):
+# which module types exist is a property of the program, not of a manager.
+_registry: dict[type[torch.nn.Module], _Registration] = {torch.nn.Linear: _Registration(_convert_linear, False)}
+
+#: Modules of these packages have conversions in an integration, registered when it is imported.
+_INTEGRATIONS = {"transformers.pytorch_utils": "scalestate.integrations.transformers"}
+
+
+def register_conversion(
+    module_type: type[torch.nn.Module],
+    fn: ConversionFn,
+    *,
+    replace: bool = False,
+    subclasses: bool = False,
+) -> None:
+    """Make :func:`convert` swap modules of ``module_type`` for what ``fn`` builds.
+
+    ``fn(module, request)`` gets the module to replace and a
+    :class:`ConversionRequest` (``manager``, ``name``, ``fp8_all_gather``) and
+    returns the FP8 module that takes its place at every path it is reachable
+    by. It should register its slots with ``request.manager`` under
+    ``request.name`` and take over the *same* parameter objects (so that
+    ``state_dict`` keys, tied weights and optimizers built before the
+    conversion keep working), and keep the module's ``training`` flag.
+    Modules that already cast through a scalestate handle (a ``handle``
+    attribute holding a :class:`scalestate.ScalingHandle`) are never converted.
+
+    The registry is process-wide, like that of backends.
+
+    Args:
+        module_type: the class to convert (a ``torch.nn.Module`` subclass).
+        fn: builds the replacement.
+        replace: allow replacing an existing conversion of ``module_type``
+            (``torch.nn.Linear``'s default included).
+        subclasses: also convert instances of subclasses of ``module_type``
+            that have no conversion of their own (default: exact type only,
+            since a subclass's ``forward`` may do more than its base's).
+
+    Raises:
+        TypeError: ``module_type`` is not a ``torch.nn.Module`` subclass, or
+            ``fn`` is not callable.
+        ScaleStateError: ``module_type`` already has a conversion and ``replace`` is false.
+
+    Example:
+        >>> import torch, scalestate as ss
+        >>> class Scaled(torch.nn.Linear):  # a subclass: not converted by default
+        ...     def forward(self, x):
+        ...         return 2 * super().forward(x)
+        >>> class FP8Scaled(ss.nn.Linear):
+        ...     def forward(self, x):
+        ...         return 2 * super().forward(x)
+        >>> def to_fp8(module, request):
+        ...     new = FP8Scaled(module.in_features, module.out_features, bias=module.bias is not None,
+        ...                     manager=request.manager, name=request.name, device="meta")
+        ...     new.weight, new.bias = module.weight, module.bias
+        ...     return new.train(module.training)
+        >>> ss.nn.register_conversion(Scaled, to_fp8)
+        >>> m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        >>> net = ss.nn.convert(torch.nn.Sequential(Scaled(4, 4)), m)
+        >>> type(net[0]).__name__, list(m.handles)
+        ('FP8Scaled', ['0'])
+        >>> ss.nn.unregister_conversion(Scaled)
+    """
+    if not isinstance(module_type, type) or not issubclass(module_type, torch.nn.Module):
+        raise TypeError(
+            f"register_conversion: module_type must be a torch.nn.Module subclass (the class, not an "
+            f"instance); got {module_type!r}"
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"register_conversion: fn for {module_type.__qualname__} must be callable as "
+            f"fn(module, request) -> torch.nn.Module; got {fn!r}"
+        )
+    if not isinstance(replace, bool) or not isinstance(subclasses, bool):
+        raise TypeError(
+            f"register_conversion: replace and subclasses must be True or False; got replace={replace!r}, "
+            f"subclasses={subclasses!r}"
+        )
+    _load_integrations()  # so that an integration's later import cannot shadow this registration
+    if module_type in _registry and not replace:
+        raise ScaleStateError(
+            f"a conversion of {_type_name(module_type)} is already registered "
+            f"({_fn_name(_registry[module_type].fn)}); pass replace=True to replace it"
+        )
+    _registry[module_type] = _Registration(fn, subclasses)
+
+
+def unregister_conversion(module_type: type[torch.nn.Module]) -> None:
+    """Stop :func:`convert` from converting ``module_type`` (e.g. ``torch.nn.Linear``).
+
+    Raises:
+        ScaleStateError: ``module_type`` has no conversion; the message lists those registered.
+    """
+    _load_integrations()
+    if module_type not in _registry:
+        have = ", ".join(sorted(_type_name(t) for t in _registry)) or "none"
+        raise ScaleStateError(
+            f"no conversion of {_type_name(module_type) if isinstance(module_type, type) else repr(module_type)} "
+            f"is registered (registered: {have}); nothing to unregister"
+        )
+    del _registry[module_type]
+
+
+def registered_conversions() -> dict[type[torch.nn.Module], ConversionFn]:
+    """The module types :func:`convert` converts, each with its conversion (a copy).
+
+    Example:
+        >>> import torch, scalestate as ss
+        >>> torch.nn.Linear in ss.nn.registered_conversions()
+        True
+    """
+    _load_integrations()
+    return {module_type: reg.fn for module_type, reg in _registry.items()}
 
 
 def convert(
@@ -21,20 +203,27 @@ def convert(
     *,
     fp8_all_gather: bool = False,
 ) -> torch.nn.Module:
-    """Replace every ``torch.nn.Linear`` of ``model`` by a :class:`scalestate.nn.Linear`.
+    """Replace every layer of a registered type in ``model`` by its FP8 version.
 
-    The new layers take over the *same* parameter objects, so weights are kept
-    and an optimizer built before the conversion still updates them. Each
-    slot is named after the module's path (``"blocks.0.fc1"``); a layer shared
-    by several paths becomes one FP8 layer, named after its first path.
-    Subclasses of ``torch.nn.Linear`` are left alone (their forward may do
-    more than a product), as are layers already converted. If a slot name is
-    already taken in ``manager``, nothing is converted and a ``SlotError``
+    By default ``torch.nn.Linear`` becomes :class:`scalestate.nn.Linear`, and,
+    when transformers is in use, its ``Conv1D`` (GPT-2) becomes
+    :class:`scalestate.integrations.transformers.Conv1D`; other types are
+    added with :func:`register_conversion`. The new layers take over the
+    *same* parameter objects, so weights are kept, ``state_dict`` keys and
+    shapes are unchanged, and an optimizer built before the conversion still
+    updates them. Each slot is named after the module's path
+    (``"blocks.0.fc1"``); a layer shared by several paths becomes one FP8
+    layer, named after its first path. Subclasses of a registered type are
+    left alone (their forward may do more than a product) unless registered
+    with ``subclasses=True``, as are layers already converted. If a slot name
+    is already taken in ``manager``, nothing is converted and a ``SlotError``
     names it.
 
     Args:
-        model: converted in place, and returned. If ``model`` itself is a
-            ``torch.nn.Linear``, the FP8 layer is returned (slot name ``"linear"``).
+        model: converted in place, and returned. If ``model`` itself is of a
+            registered type, its FP8 version is returned (slot name
+            ``"linear"`` for a ``torch.nn.Linear``, else the class name in
+            lower case).
         manager: owns the new layers' scaling state.
         filter_fn: ``filter_fn(path, module) -> bool``; only layers for which it
             returns True are converted.
@@ -43,6 +232,12 @@ def convert(
             Their weights then become new parameter objects that share the
             old ones' values: build the optimizer after the conversion (and
             after ``fully_shard``, as FSDP2 requires anyway).
+
+    Raises:
+        TypeError: a bad argument, or a conversion that returned something
+            other than a ``torch.nn.Module``.
+        SlotError: a slot name is taken, or (with ``fp8_all_gather``) layers
+            share a weight; nothing is converted.
 
     Models built on the ``meta`` device convert like any other; materialize
     them afterwards (``model.to_empty(device=...)``, then initialize).
@@ -57,21 +252,31 @@ def convert(
         >>> list(m.handles)
         ['0']
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert: model must be a torch.nn.Module; got {type(model).__name__}")
+    if not isinstance(manager, ScalingStateManager):
+        raise TypeError(f"convert: manager must be a ScalingStateManager; got {type(manager).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"convert: filter_fn must be None or callable as filter_fn(path, module); got {filter_fn!r}")
     if not isinstance(fp8_all_gather, bool):
         raise TypeError(f"fp8_all_gather must be True or False; got {fp8_all_gather!r}")
-    if type(model) is torch.nn.Linear:
+    _load_integrations()
+    fn = _conversion_for(model)
+    if fn is not None:
         if filter_fn is None or filter_fn("", model):
-            return _swap(model, manager, _free_name(manager, "linear"), fp8_all_gather)
+            base = "linear" if type(model) is torch.nn.Linear else type(model).__name__.lower()
+            return _build(fn, model, ConversionRequest(manager, _free_name(manager, base), fp8_all_gather))
         return model
     # Every path to every layer: a layer reachable twice (shared) is converted
     # once, under its first path, and replaced at all of them.
     paths: dict[int, list[str]] = {}
-    layers: dict[int, torch.nn.Linear] = {}
+    layers: dict[int, tuple[torch.nn.Module, ConversionFn]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        if path and type(module) is torch.nn.Linear:
+        fn = _conversion_for(module) if path else None
+        if fn is not None:
             paths.setdefault(id(module), []).append(path)
-            layers[id(module)] = module
-    chosen = {key: found for key, found in paths.items() if filter_fn is None or filter_fn(found[0], layers[key])}
+            layers[id(module)] = (module, fn)
+    chosen = {key: found for key, found in paths.items() if filter_fn is None or filter_fn(found[0], layers[key][0])}
     taken = [found[0] for found in chosen.values() if found[0] in manager.handles]
     if taken:  # check before changing anything: a half-converted model helps no one
         raise SlotError(
@@ -79,21 +284,64 @@ def convert(
             "convert each model once per manager, or use a fresh manager"
         )
     if fp8_all_gather:
-        _refuse_tied_weights({found[0]: layers[key] for key, found in chosen.items()})
+        _refuse_tied_weights({found[0]: layers[key][0] for key, found in chosen.items()})
+    # Build every replacement before placing any: a conversion that fails leaves the model as it was.
+    built = {
+        key: _build(layers[key][1], layers[key][0], ConversionRequest(manager, found[0], fp8_all_gather))
+        for key, found in chosen.items()
+    }
     for key, found in chosen.items():
-        new = _swap(layers[key], manager, found[0], fp8_all_gather)
+        new = built[key]
         for path in found:
             parent_path, _, child = path.rpartition(".")
             setattr(model.get_submodule(parent_path), child, new)
     return model
 
 
-def _refuse_tied_weights(layers: dict[str, torch.nn.Linear]) -> None:
+def _conversion_for(module: torch.nn.Module) -> ConversionFn | None:
+    """The conversion of ``module``: its exact type's, else the nearest base registered with
+    ``subclasses=True``; ``None`` for an unregistered type or a module already converted."""
+    if isinstance(getattr(module, "handle", None), ScalingHandle):
+        return None
+    exact = _registry.get(type(module))
+    if exact is not None:
+        return exact.fn
+    for base in type(module).__mro__[1:]:
+        reg = _registry.get(base)
+        if reg is not None and reg.subclasses:
+            return reg.fn
+    return None
+
+
+def _build(fn: ConversionFn, module: torch.nn.Module, request: ConversionRequest) -> torch.nn.Module:
+    new = fn(module, request)
+    if not isinstance(new, torch.nn.Module):
+        raise TypeError(
+            f"the conversion of {_type_name(type(module))} ({_fn_name(fn)}) returned "
+            f"{type(new).__name__}, not a torch.nn.Module; a conversion returns the module to put in "
+            f"its place (see ss.nn.register_conversion)"
+        )
+    return new
+
+
+def _load_integrations() -> None:
+    """Import the integrations whose library the program already uses: they register conversions.
+
+    Importing one never imports its library: only a module already in ``sys.modules`` counts.
+    """
+    for used, integration in _INTEGRATIONS.items():
+        if used in sys.modules and integration not in sys.modules:
+            importlib.import_module(integration)
+
+
+def _refuse_tied_weights(layers: dict[str, torch.nn.Module]) -> None:
     """FP8 all-gather casts each weight through its own layer's slot: a weight tied
     between layers would have two slots and two casts; refuse before converting anything."""
     owners: dict[int, list[str]] = {}
     for path, layer in layers.items():
-        owners.setdefault(id(layer.weight), []).append(path)
+        weight = getattr(layer, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            owners.setdefault(id(weight), []).append(path)
     tied = [paths for paths in owners.values() if len(paths) > 1]
     if tied:
         raise SlotError(
@@ -103,17 +351,9 @@ def _refuse_tied_weights(layers: dict[str, torch.nn.Linear]) -> None:
         )
 
 
-def _swap(module: torch.nn.Linear, manager: ScalingStateManager, name: str, fp8_all_gather: bool) -> Linear:
-    new = Linear(
-        module.in_features,
-        module.out_features,
-        bias=module.bias is not None,
-        manager=manager,
-        name=name,
-        device="meta",
-        fp8_all_gather=fp8_all_gather,
-    )
-    new.weight = wrap_weight(module.weight, new.handle) if fp8_all_gather else module.weight
-    new.bias = module.bias
-    new.train(module.training)
-    return new
+def _type_name(module_type: type) -> str:
+    return f"{module_type.__module__}.{module_type.__qualname__}"
+
+
+def _fn_name(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)

@@ -30,7 +30,9 @@ class _FP8Linear(torch.autograd.Function):
     """``y = x @ w.T + b`` with x and w already cast; backward casts ``dy`` with
     ``cast_grad`` and runs both of its products in FP8. Only FP8 tensors (and their
     scales) are saved. ``add_bias=False`` leaves the bias out of this rank's output
-    (a partial sum that another rank adds it to) while still giving it its gradient."""
+    (a partial sum that another rank adds it to) while still giving it its gradient.
+    ``weight_transposed=True``: the ``weight`` parameter is stored ``(in, out)`` (``qw``
+    is still its cast in the ``(out, in)`` orientation); its gradient is returned transposed."""
 
     @staticmethod
     def forward(
@@ -44,7 +46,9 @@ class _FP8Linear(torch.autograd.Function):
         backend: Backend,
         out_dtype: torch.dtype,
         add_bias: bool = True,
+        weight_transposed: bool = False,
     ) -> Tensor:
+        ctx.weight_transposed = weight_transposed
         ctx.fine = qx.tile is not None
         if ctx.fine:
             # Each product takes its operands scaled along its own contraction axis:
@@ -91,7 +95,9 @@ class _FP8Linear(torch.autograd.Function):
                     grad_w = _product(backend, qg.t(), qx.t() if ctx.x_is_transposed else qx, w_dtype)
         if need_b:
             grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        if grad_w is not None and ctx.weight_transposed:
+            grad_w = grad_w.t()  # the same values, in the parameter's (in, out) layout
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def _pack(q: Quantized) -> tuple[tuple[Tensor | None, ...], tuple[tuple[int, int] | None, ...] | None]:
@@ -133,7 +139,9 @@ def _product(
         return backend.scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle) -> Tensor:
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle, *, weight_transposed: bool = False
+) -> Tensor:
     """``torch.nn.functional.linear`` in FP8 through ``handle``'s slots.
 
     ``handle`` needs the roles INPUT, WEIGHT and GRAD_OUTPUT. ``x`` may have
@@ -143,16 +151,45 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
     backend's products need operands in the other layout, the casts make
     transposed copies in the same pass. DTensor operands (tensor parallelism)
     go to :func:`scalestate.nn.tensor_parallel.linear`.
+
+    Args:
+        x: the input, ``(..., in_features)``.
+        weight: ``(out_features, in_features)``, as ``torch.nn.Linear`` keeps it;
+            with ``weight_transposed=True``, ``(in_features, out_features)``.
+        bias: ``(out_features,)`` or ``None``.
+        handle: the slots the casts go through.
+        weight_transposed: the weight is stored ``(in_features, out_features)``,
+            as transformers' ``Conv1D`` keeps it (``y = x @ weight + bias``).
+            The parameter itself is cast, so the weight-cast cache hits as for
+            a ``torch.nn.Linear`` weight; the cast also makes the other
+            orientation, and the products and their bits are those of
+            ``linear(x, weight.t().contiguous(), bias, handle)``. Its gradient
+            has the parameter's shape. Not with DTensor (tensor-parallel) weights.
+
+    Returns:
+        ``(..., out_features)``.
+
+    Raises:
+        CastError: ``x``'s last dimension does not match the weight, some
+            operands are on the ``meta`` device and some are not, or a
+            transposed weight is a DTensor.
     """
     if tensor_parallel.is_distributed(x, weight, bias):
+        if weight_transposed:
+            raise CastError(
+                f"slot {handle.name!r}: tensor parallelism shards weights stored (out_features, in_features); "
+                "got weight_transposed=True. Store the weight as torch.nn.Linear does (pass weight.t() as a "
+                "parameter of its own) to shard it"
+            )
         return tensor_parallel.linear(x, weight, bias, handle)
-    if x.shape[-1] != weight.shape[1]:
+    in_features, out_features = weight.shape[::-1] if not weight_transposed else weight.shape
+    if x.shape[-1] != in_features:
         raise CastError(
             f"slot {handle.name!r}: input has {x.shape[-1]} features in its last dimension, "
-            f"the weight expects {weight.shape[1]}"
+            f"the weight expects {in_features}"
         )
     if x.is_meta or weight.is_meta:
-        return _meta_linear(x, weight, bias, handle)
+        return _meta_linear(x, weight.t() if weight_transposed else weight, bias, handle)
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -160,11 +197,23 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
     # Fine-grained scales lie along one axis: every role is also cast along the other one.
     transpose = backend.wants_transposed(x.device) or handle.manager.recipe.granularity(Role.INPUT) is not None
     qx = handle.quantize(x2, Role.INPUT, transpose=transpose)
-    qw = quantize_weight(handle, weight, transpose=transpose)
+    if weight_transposed:
+        # Cast the parameter itself (the cache keys on it), in both orientations, and take the
+        # (out, in) one as data: the very layout a torch.nn.Linear weight's cast has.
+        qw = quantize_weight(handle, weight, transpose=True).t()
+        if not transpose:
+            qw = qw.rowwise()
+    else:
+        qw = quantize_weight(handle, weight, transpose=transpose)
     # torch types Function.apply as untyped; its result here is the forward's Tensor
     cast_grad = functools.partial(_cast_grad, handle)
-    out: Tensor = _FP8Linear.apply(x2, weight, bias, qx, qw, cast_grad, backend, out_dtype)  # type: ignore[no-untyped-call]
-    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
+    if weight_transposed:
+        out: Tensor = _FP8Linear.apply(  # type: ignore[no-untyped-call]
+            x2, weight, bias, qx, qw, cast_grad, backend, out_dtype, True, True
+        )
+    else:
+        out = _FP8Linear.apply(x2, weight, bias, qx, qw, cast_grad, backend, out_dtype)  # type: ignore[no-untyped-call]
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out_features)
 
 
 def _meta_linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle) -> Tensor:
@@ -231,16 +280,7 @@ class Linear(torch.nn.Linear):
         dtype: torch.dtype | None = None,
         fp8_all_gather: bool = False,
     ) -> None:
-        if not isinstance(manager, ScalingStateManager):
-            raise TypeError(f"manager must be a ScalingStateManager; got {type(manager).__name__}")
-        if not isinstance(fp8_all_gather, bool):
-            raise TypeError(f"fp8_all_gather must be True or False; got {fp8_all_gather!r}")
-        if fp8_all_gather and manager.recipe.granularity(Role.WEIGHT) is not None:
-            raise CastError(
-                f"fp8_all_gather=True casts each FSDP shard with its slot's one per-tensor scale; "
-                f"{type(manager.recipe).__name__} scales rows, tiles or blocks. Use fp8_all_gather=False "
-                "with this recipe (FSDP2 then gathers the high-precision weight), or a per-tensor recipe"
-            )
+        check_module_arguments(manager, fp8_all_gather)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.handle = manager.register(name if name is not None else _free_name(manager, "linear"), roles=tuple(Role))
         #: Whether FSDP2 all-gathers the weight in FP8 (fixed at construction).
@@ -270,6 +310,25 @@ class Linear(torch.nn.Linear):
     def extra_repr(self) -> str:
         extra = ", fp8_all_gather=True" if self.fp8_all_gather else ""
         return f"{super().extra_repr()}, slot={self.handle.name!r}{extra}"
+
+
+def check_module_arguments(manager: object, fp8_all_gather: object) -> None:
+    """The checks of an FP8 module's ``manager`` and ``fp8_all_gather`` arguments.
+
+    Raises:
+        TypeError: ``manager`` is not a manager, or ``fp8_all_gather`` not a bool.
+        CastError: ``fp8_all_gather=True`` with a fine-grained recipe.
+    """
+    if not isinstance(manager, ScalingStateManager):
+        raise TypeError(f"manager must be a ScalingStateManager; got {type(manager).__name__}")
+    if not isinstance(fp8_all_gather, bool):
+        raise TypeError(f"fp8_all_gather must be True or False; got {fp8_all_gather!r}")
+    if fp8_all_gather and manager.recipe.granularity(Role.WEIGHT) is not None:
+        raise CastError(
+            f"fp8_all_gather=True casts each FSDP shard with its slot's one per-tensor scale; "
+            f"{type(manager.recipe).__name__} scales rows, tiles or blocks. Use fp8_all_gather=False "
+            "with this recipe (FSDP2 then gathers the high-precision weight), or a per-tensor recipe"
+        )
 
 
 def _free_name(manager: ScalingStateManager, base: str) -> str:
