@@ -7,11 +7,13 @@ Prints, on one CPU thread by default:
    scaling after warm-up, and current scaling), as microseconds and ratios,
    and the same tensor operations written out by hand with no framework
    around them (at this size each operation's dispatch dominates: this row
-   is the floor the operations themselves set);
+   is the floor the operations themselves set), and delayed scaling with
+   ``collect_stats=True``;
 2. the same under ``torch.compile`` (inductor; compile time excluded);
-3. ``manager.step()`` at 10, 1,000 and 10,000 slots (a slot is one
+3. the cost of ``collect_stats=True`` on a 1024 x 1024 layer (1024 rows);
+4. ``manager.step()`` at 10, 1,000 and 10,000 slots (a slot is one
    (name, role) row), with the number of tensor operations it dispatches;
-4. registration: 300 ``register()`` calls at 200 slots against at 10,000.
+5. registration: 300 ``register()`` calls at 200 slots against at 10,000.
 
 Timings are medians over ``--repeats`` rounds that alternate between the
 compared variants, so machine noise hits both alike.
@@ -52,16 +54,21 @@ def _side_by_side(fns: dict[str, Callable[[], Any]], iters: int, repeats: int) -
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def _layers(compiled: bool) -> dict[str, Callable[[], None]]:
+def _layers(compiled: bool, size: int = 16, stats_only: bool = False) -> dict[str, Callable[[], None]]:
     torch.manual_seed(0)
-    x = torch.randn(16, 16, requires_grad=True)
-    ref = torch.nn.Linear(16, 16)
+    x = torch.randn(size, size, requires_grad=True)
+    ref = torch.nn.Linear(size, size)
     fns: dict[str, Callable[[], None]] = {}
     ref_call = torch.compile(ref) if compiled else ref
     fns["torch.nn.Linear"] = lambda: ref_call(x).sum().backward()
-    for label, recipe in (("delayed", ss.DelayedScaling()), ("current", ss.CurrentScaling())):
-        manager = ss.ScalingStateManager(recipe, backend="emulation")
-        layer = ss.nn.Linear(16, 16, manager=manager)
+    variants = [("delayed", ss.DelayedScaling(), False), ("current", ss.CurrentScaling(), False)]
+    if not compiled:
+        variants.append(("delayed, collect_stats", ss.DelayedScaling(), True))
+    if stats_only:
+        variants = [variants[0], variants[2]]
+    for label, recipe, collect in variants:
+        manager = ss.ScalingStateManager(recipe, backend="emulation", collect_stats=collect)
+        layer = ss.nn.Linear(size, size, manager=manager)
         call = torch.compile(layer) if compiled else layer
         for _ in range(3):  # give delayed scaling its history
             call(x).sum().backward()
@@ -71,7 +78,7 @@ def _layers(compiled: bool) -> dict[str, Callable[[], None]]:
             call(x).sum().backward()
 
         fns[f"ss.nn.Linear ({label})"] = run
-    if not compiled:
+    if not compiled and not stats_only:
         fns["same ops, hand-written"] = _hand_written()
     return fns
 
@@ -117,9 +124,9 @@ def _hand_written() -> Callable[[], None]:
 def _print_layers(title: str, times: dict[str, float]) -> None:
     base = times["torch.nn.Linear"]
     print(f"\n{title}")
-    print(f"  {'layer':<28}{'us / iter':>12}{'ratio':>9}")
+    print(f"  {'layer':<36}{'us / iter':>12}{'ratio':>9}")
     for name, us in times.items():
-        print(f"  {name:<28}{us:>12.1f}{us / base:>8.2f}x")
+        print(f"  {name:<36}{us:>12.1f}{us / base:>8.2f}x")
 
 
 class _OpCounter(TorchDispatchMode):
@@ -172,6 +179,11 @@ def main() -> None:
             "torch.compile (inductor) forward + backward, same layer",
             _side_by_side(_layers(compiled=True), args.iters, args.repeats),
         )
+
+    _print_layers(
+        "collect_stats on a 1024 x 1024 layer, 1024 rows, eager forward + backward",
+        _side_by_side(_layers(compiled=False, size=1024, stats_only=True), max(args.iters // 100, 5), args.repeats),
+    )
 
     print("\nmanager.step()")
     print(f"  {'slots':>8}{'us / step':>12}{'tensor ops':>12}")

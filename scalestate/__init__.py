@@ -24,6 +24,7 @@ from scalestate import (
 )
 from scalestate.atomic import atomic_save
 from scalestate.checkpoint import checkpoint
+from scalestate.diagnostics import RiskFlag, ScalingStats, SlotStats
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.phase import Phase
@@ -39,6 +40,7 @@ from scalestate.recipe import (
     Role,
     RowwiseScaling,
 )
+from scalestate.report import stats_from_state_dict
 
 __version__ = "0.2.0"
 
@@ -52,13 +54,17 @@ __all__ = [
     "Phase",
     "Quantized",
     "Recipe",
+    "RiskFlag",
     "Role",
     "RowwiseScaling",
     "ScalingHandle",
     "ScalingStateManager",
+    "ScalingStats",
+    "SlotStats",
     "atomic_save",
     "backends",
     "checkpoint",
     "errors",
     "nn",
+    "stats_from_state_dict",
 ]

@@ -4,6 +4,12 @@ Eager casts of ``WEIGHT`` go through the weight-cast cache (one cast per
 tensor version and scale epoch); debug mode keeps every forward amax for its
 recompute check. Compiled code takes the plain path: the cache is bypassed
 and the classification is made at trace time.
+
+With ``collect_stats``, every recorded cast also adds what it did to its
+elements (:func:`scalestate.diagnostics.cast_counts`) to the slot's counters,
+on the device; recompute and evaluation casts count nothing, as they record
+nothing. A cached weight cast counts at every training use that records it
+(its counts are computed once per cast and scale epoch, then added).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from torch import Tensor
 
 from scalestate.backends import CastRequest
 from scalestate.binding import BackendBinding, settle_during_trace
+from scalestate.diagnostics import cast_counts
 from scalestate.errors import CastError, PhaseError
 from scalestate.phase import CastKind, classify, in_training_function_forward, read_signals
 from scalestate.quantized import Quantized
@@ -29,6 +36,8 @@ class Caster:
         self._state = state
         self._binding = binding
         self._delayed = delayed
+        #: Per weight row: (epoch, elements, counts) of its cached cast (collect_stats only).
+        self._weight_counts: dict[int, tuple[int, int, Tensor]] = {}
 
     def cast(self, slot: Slot, x: Tensor, transpose: bool) -> Quantized:
         """A handle's cast: classify it, then cast through the backend (see ScalingHandle.quantize)."""
@@ -53,6 +62,8 @@ class Caster:
         if st.checker is not None and not compiling and kind is not CastKind.EVALUATION:
             q, amax = self._cast_keeping_amax(slot, x, transpose)
             self._record(slot, kind, amax)
+            if kind is CastKind.RECORD and st.stats:
+                st.add_counts(slot, *cast_counts(x, q, slot.spec.fp8_max))
             return q
         # Eager casts reuse views made once; compiled code derives them from the buffers itself.
         scale, acc = (st.scale_of(slot), st.accumulator_of(slot)) if compiling else st.views_of(slot)
@@ -60,8 +71,11 @@ class Caster:
         jit = st.jit(slot, delayed=self._delayed, compiling=compiling)
         request = CastRequest(x.detach() if x.requires_grad else x, slot.spec, scale, jit, record, transpose)
         q = self._binding.backend.cast(request)
-        if record is not None and not compiling:
-            st.note_recorded(slot)
+        if record is not None:
+            if not compiling:
+                st.note_recorded(slot)
+            if st.stats:
+                st.add_counts(slot, *cast_counts(x, q, slot.spec.fp8_max))
         return q
 
     def _classify(self, slot: Slot, compiling: bool) -> CastKind:
@@ -102,16 +116,30 @@ class Caster:
                 self._record(slot, kind, entry.amax)
             elif kind is CastKind.RECORD:
                 st.note_recorded(slot)
+            if kind is CastKind.RECORD and st.stats:
+                self._count_weight(slot, x, entry.quantized)
             return entry.quantized
+        if st.stats:
+            self._weight_counts.pop(slot.row, None)  # a new cast: counts of the old one no longer apply
         if kind is CastKind.RECORD and st.checker is None:
             q = self._eager_cast(slot, x, transpose, st.views_of(slot)[1])
             st.casts.put(slot, x, st.epoch, q, None)
             st.note_recorded(slot)
-            return q
-        q, amax = self._cast_keeping_amax(slot, x, transpose)
-        st.casts.put(slot, x, st.epoch, q, amax)
-        self._record(slot, kind, amax)
+        else:
+            q, amax = self._cast_keeping_amax(slot, x, transpose)
+            st.casts.put(slot, x, st.epoch, q, amax)
+            self._record(slot, kind, amax)
+        if kind is CastKind.RECORD and st.stats:
+            self._count_weight(slot, x, q)
         return q
+
+    def _count_weight(self, slot: Slot, x: Tensor, q: Quantized) -> None:
+        """Add a training use of a (cached) weight cast to the slot's counters, counting it once per epoch."""
+        st = self._state
+        known = self._weight_counts.get(slot.row)
+        if known is None or known[0] != st.epoch:
+            known = self._weight_counts[slot.row] = (st.epoch, *cast_counts(x, q, slot.spec.fp8_max))
+        st.add_counts(slot, known[1], known[2])
 
     def _record(self, slot: Slot, kind: CastKind, amax: Tensor) -> None:
         """Account for a cast whose amax is known: max it in if recorded; feed debug mode."""

@@ -13,6 +13,7 @@ from torch import Tensor
 from scalestate.backends import Backend, CastSpec
 from scalestate.binding import BackendBinding, canonical_device
 from scalestate.casting import Caster
+from scalestate.diagnostics import ScalingStats, build_stats
 from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
 from scalestate.errors import PhaseError, ScaleStateError, SlotError
 from scalestate.handle import ScalingHandle
@@ -65,6 +66,10 @@ class ScalingStateManager:
             ``"fallback"``: the slot forgets its history and scales just in
             time until a finite step gives it history again. ``"skip"`` and
             ``"fallback"`` count such steps (:meth:`nonfinite_counts`).
+        collect_stats: also count, on the device, what every recorded cast does
+            to its elements (clipped at the format's max, flushed to zero), for
+            :meth:`stats`. It costs extra passes over every cast tensor (see
+            the diagnostics guide for measured costs); no host-device sync.
 
     .. warning:: ``debug=True`` reads amaxes back to the host on every
        recorded forward cast and every recomputed one, a device sync each.
@@ -98,6 +103,7 @@ class ScalingStateManager:
         debug: bool = False,
         group: GroupSpec = DEFAULT_GROUP,
         on_nonfinite: NonFinitePolicy = "skip",
+        collect_stats: bool = False,
     ) -> None:
         if not isinstance(recipe, RECIPES):
             names = ", ".join(f"ss.{cls.__name__}(...)" for cls in RECIPES)
@@ -106,6 +112,8 @@ class ScalingStateManager:
             raise ScaleStateError(
                 f"on_nonfinite must be one of {', '.join(map(repr, NONFINITE_POLICIES))}; got {on_nonfinite!r}"
             )
+        if not isinstance(collect_stats, bool):
+            raise ScaleStateError(f"collect_stats must be True or False; got {collect_stats!r}")
         self._on_nonfinite: NonFinitePolicy = on_nonfinite
         #: The last step() raised: the step may be discarded or a state loaded mid-step.
         self._refused = False
@@ -119,7 +127,7 @@ class ScalingStateManager:
             )
             for role in Role
         }
-        self._state = State(dev or torch.device("cpu"), recipe.history_len, debug=bool(debug))
+        self._state = State(dev or torch.device("cpu"), recipe.history_len, debug=bool(debug), stats=collect_stats)
         self._binding = BackendBinding(backend, self._state, recipe)
         self._handles: dict[str, ScalingHandle] = {}
         self._caster = Caster(self._state, self._binding, delayed=self._delayed)
@@ -163,6 +171,11 @@ class ScalingStateManager:
     def on_nonfinite(self) -> NonFinitePolicy:
         """The non-finite policy (``"fallback"``: a step may zero a slot's history)."""
         return self._on_nonfinite
+
+    @property
+    def collect_stats(self) -> bool:
+        """Whether recorded casts are counted for the fractions of :meth:`stats`."""
+        return self._state.stats
 
     @property
     def group(self) -> ProcessGroup | None:
@@ -355,6 +368,27 @@ class ScalingStateManager:
         for slot in st.slots:
             out[slot.name][slot.role] = int(counts[slot.row])
         return out
+
+    def stats(self) -> ScalingStats:
+        """Statistics of every slot: scale, amaxes, headroom, non-finite steps, risk flags.
+
+        ``stats()[name][role]`` is a :class:`~scalestate.SlotStats`;
+        ``stats().flat()`` is ``{"scalestate/<name>/<role>/<stat>": float}``
+        for a logger. With ``collect_stats=True`` it also gives, per slot, the
+        fractions of elements clipped at the format's max and of non-zero
+        elements flushed to zero, over the casts recorded in the last
+        completed :meth:`step` (recompute and evaluation casts never count;
+        counts are this rank's own and are not saved in :meth:`state_dict`).
+        Definitions: :mod:`scalestate.diagnostics`.
+
+        .. warning:: Reads the state back to the host: a device sync. Call it
+           between steps, as often as you log.
+        """
+        st = self._state
+        counts = st.last_counts if st.stats else None
+        return build_stats(
+            self._recipe, st.iteration, self.slots, st.history, st.scales, st.fp8_max, st.nonfinite, counts
+        )
 
     # ----------------------------------------------------------------- casts
     def _cast(self, slot: Slot, x: Tensor, transpose: bool) -> Quantized:

@@ -69,12 +69,22 @@ import attrs
 import torch
 from torch import Tensor
 
-from scalestate.errors import StateDictError
+from scalestate.errors import RecipeError, StateDictError
 from scalestate.math import FLOAT32_TINY
-from scalestate.recipe import Recipe, Role
+from scalestate.recipe import RECIPES, Format, Recipe, Role
 from scalestate.state import State
 
-__all__ = ["FORMAT_VERSION", "TENSOR_KEYS", "LoadedState", "TensorKey", "recipe_to_dict", "to_state_dict", "validate"]
+__all__ = [
+    "FORMAT_VERSION",
+    "TENSOR_KEYS",
+    "LoadedState",
+    "TensorKey",
+    "is_state_dict",
+    "recipe_from_dict",
+    "recipe_to_dict",
+    "to_state_dict",
+    "validate",
+]
 
 FORMAT_VERSION = 2
 #: Versions this scalestate reads.
@@ -171,6 +181,44 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
         value = getattr(recipe, field.name)
         out[field.name] = getattr(value, "value", value)
     return out
+
+
+def recipe_from_dict(saved: object) -> Recipe:
+    """The recipe a state dict's ``recipe`` entry describes (the inverse of :func:`recipe_to_dict`).
+
+    Raises:
+        StateDictError: not a dict, an unknown ``kind``, or fields the recipe does not take.
+    """
+    if not isinstance(saved, Mapping):
+        raise StateDictError(f"recipe must be a dict of the recipe's fields; got {_type_name(saved)}")
+    kinds = {cls.__name__: cls for cls in RECIPES}
+    kind = saved.get("kind")
+    if kind not in kinds:
+        raise StateDictError(f"recipe kind {kind!r} is not a scalestate recipe; expected one of {sorted(kinds)}")
+    cls = kinds[kind]
+    fields = {f.name for f in attrs.fields(cls)}
+    values = {k: v for k, v in saved.items() if k != "kind"}
+    unknown = sorted(map(repr, set(values) - fields))
+    if unknown:
+        raise StateDictError(f"recipe {kind} has no field(s) {', '.join(unknown)}; its fields are {sorted(fields)}")
+    try:
+        if "format" in values:
+            values["format"] = Format(values["format"])
+        recipe: Recipe = cls(**values)
+    except (ValueError, TypeError, RecipeError) as exc:
+        raise StateDictError(f"recipe {dict(saved)} does not make a {kind}: {exc}") from None
+    return recipe
+
+
+def is_state_dict(obj: object) -> bool:
+    """Whether ``obj`` looks like a manager's state dict: a dict with the keys of a readable format
+    version (values are not checked; :func:`validate` does that)."""
+    if not isinstance(obj, Mapping):
+        return False
+    version = obj.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version not in _READABLE_VERSIONS:
+        return False
+    return all(k in obj for k in _keys(version))
 
 
 def to_state_dict(state: State, recipe: Recipe) -> dict[str, Any]:

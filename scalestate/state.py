@@ -52,7 +52,7 @@ class State:
     unless capacity was reserved beforehand.
     """
 
-    def __init__(self, device: torch.device, history_len: int, *, debug: bool = False) -> None:
+    def __init__(self, device: torch.device, history_len: int, *, debug: bool = False, stats: bool = False) -> None:
         self._device = device
         self._history_len = history_len
         self._capacity = 0
@@ -62,6 +62,10 @@ class State:
         self._step_amax = self._alloc(0)
         self._fp8_max = self._alloc(0)
         self._nonfinite = self._alloc_counts(0)
+        #: Cast statistics (COUNT_FIELDS per row): this step's, and the last completed step's.
+        self._stats = bool(stats)
+        self._counts = self._alloc_counts(0, 4)
+        self._last_counts = self._alloc_counts(0, 4)
         self._frozen = False
         #: Per-row views of the scale and accumulator buffers (see views_of).
         self._views: list[tuple[Tensor, Tensor]] = []
@@ -138,8 +142,9 @@ class State:
         shape = (rows,) if cols is None else (rows, cols)
         return torch.full(shape, fill, dtype=torch.float32, device=self._device)
 
-    def _alloc_counts(self, rows: int) -> Tensor:
-        return torch.zeros(rows, dtype=torch.int64, device=self._device)
+    def _alloc_counts(self, rows: int, cols: int | None = None) -> Tensor:
+        shape = (rows,) if cols is None else (rows, cols if self._stats else 0)
+        return torch.zeros(shape, dtype=torch.int64, device=self._device)
 
     @property
     def device(self) -> torch.device:
@@ -189,6 +194,22 @@ class State:
         """``[N]`` int64 view of the number of steps with a non-finite amax, per slot."""
         return self._nonfinite[: len(self._slots)]
 
+    @property
+    def stats(self) -> bool:
+        """Whether casts are counted (``collect_stats``)."""
+        return self._stats
+
+    @property
+    def last_counts(self) -> Tensor:
+        """``[N, 4]`` int64 cast statistics of the last completed step (``[N, 0]`` when not collected)."""
+        return self._last_counts[: len(self._slots)]
+
+    def add_counts(self, slot: Slot, elements: int, counts: Tensor) -> None:
+        """Add one recorded cast's statistics (see :func:`scalestate.diagnostics.cast_counts`) to this step's."""
+        row = self._counts[slot.row]
+        row[0].add_(elements)
+        row[1:].add_(counts)
+
     def scale_of(self, slot: Slot) -> Tensor:
         """0-d view of ``slot``'s scale."""
         return self._scales[slot.row]
@@ -235,6 +256,9 @@ class State:
         fp8_max = self._alloc(capacity)
         nonfinite = self._alloc_counts(capacity)
         nonfinite[:n] = self._nonfinite[:n]
+        counts, last_counts = self._alloc_counts(capacity, 4), self._alloc_counts(capacity, 4)
+        counts[:n], last_counts[:n] = self._counts[:n], self._last_counts[:n]
+        self._counts, self._last_counts = counts, last_counts
         history[:n] = self._history[:n]
         scales[:n] = self._scales[:n]
         step_amax[:n] = self._step_amax[:n]
@@ -268,6 +292,8 @@ class State:
         self._step_amax = self._step_amax.to(device)
         self._fp8_max = self._fp8_max.to(device)
         self._nonfinite = self._nonfinite.to(device)
+        self._counts = self._counts.to(device)
+        self._last_counts = self._last_counts.to(device)
         self._device = device
         self._views.clear()
         self._casts.clear()
@@ -308,6 +334,8 @@ class State:
         self.step_amax.copy_(step_amax)
         if nonfinite is not None:
             self.nonfinite.copy_(nonfinite)
+        self._counts.zero_()  # cast statistics are not saved: a load starts them afresh
+        self._last_counts.zero_()
         self._iteration = iteration
         self._with_history.clear()
         self._forget_recorded()
@@ -321,6 +349,9 @@ class State:
         """
         self._iteration += 1
         self._forget_recorded()
+        if self._stats:
+            self._last_counts.copy_(self._counts)
+            self._counts.zero_()
         if histories_may_vanish:
             self._with_history.clear()
         self._new_epoch()
@@ -328,6 +359,7 @@ class State:
     def discard(self) -> None:
         """Drop everything recorded since the last step, as if it had not run."""
         self.step_amax.zero_()
+        self._counts.zero_()
         self._forget_recorded()
         self._new_epoch()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import io
 import os
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import torch
 import scalestate as ss
 from scalestate.cli import main
 from scalestate.demo.data import corpus, decode, encode
+from scalestate.demo.progress import Progress
 from scalestate.demo.run import compare
 from scalestate.demo.train import RECIPE_NAMES, DemoConfig, train
 
@@ -165,3 +168,153 @@ class TestEntryPoints:
         assert script.exists(), f"no console script next to {sys.executable}; is scalestate installed?"
         out = subprocess.run([str(script), "--help"], capture_output=True, text=True, cwd=tmp_path, check=True)
         assert "demo" in out.stdout
+
+
+def _saved_state(recipe: ss.Recipe, steps: int = 3) -> dict:
+    """A manager's state after a few steps of a small model, with one slot never run in training."""
+    torch.manual_seed(0)
+    m = ss.ScalingStateManager(recipe, backend="emulation")
+    model = ss.nn.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), m)
+    m.register("idle", roles=(ss.Role.INPUT,))  # never cast: flagged no-amax
+    for step in range(steps):
+        with m.forward():
+            loss = model(torch.randn(4, 32) * (step + 1)).square().mean()
+        with m.backward():
+            loss.backward()
+        m.step()
+    return m.state_dict()
+
+
+class TestInspect:
+    def _run(self, capsys, *argv: str) -> tuple[int, str, str]:
+        code = main(["inspect", *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    def test_every_recipe_plain_file(self, capsys, tmp_path, recipe):
+        """A file holding a manager state: one table row per slot, the recipe and step in the header."""
+        sd = _saved_state(recipe)
+        torch.save(sd, tmp_path / "s.pt")
+        code, out, err = self._run(capsys, str(tmp_path / "s.pt"))
+        assert code == 0 and err == ""
+        assert f"{type(recipe).__name__}(" in out and "step 3, 7 slots" in out
+        rows = [line for line in out.splitlines() if line.startswith("│")]
+        assert len(rows) == len(sd["slots"]) == 7
+        idle = next(r for r in rows if "idle" in r)
+        assert "no-amax" in idle and "no-amax: no amax recorded" in out
+
+    def test_nested_dict_found_by_itself(self, capsys, tmp_path):
+        """A training checkpoint holding the state deep inside: found without --key, path shown."""
+        scaling = _saved_state(ss.DelayedScaling())
+        ckpt = {"model": {"w": torch.ones(2)}, "trainer": {"extra": [1, 2], "scaling": scaling}}
+        torch.save(ckpt, tmp_path / "c.pt")
+        code, out, _ = self._run(capsys, str(tmp_path / "c.pt"))
+        assert code == 0 and "[trainer.scaling]" in out and "low-headroom" in out
+
+    def test_ambiguity_names_keys_and_key_selects(self, capsys, tmp_path):
+        """Two states: an error naming both paths and --key; --key (dotted, list index) picks one."""
+        a, b = _saved_state(ss.DelayedScaling()), _saved_state(ss.CurrentScaling())
+        torch.save({"a": a, "runs": [b]}, tmp_path / "two.pt")
+        code, out, err = self._run(capsys, str(tmp_path / "two.pt"))
+        assert code == 1 and out == ""
+        assert "found 2 scalestate manager states, at 'a', 'runs.0'; choose one with --key" in err
+        code, out, _ = self._run(capsys, str(tmp_path / "two.pt"), "--key", "runs.0")
+        assert code == 0 and "CurrentScaling(" in out
+        code, _, err = self._run(capsys, str(tmp_path / "two.pt"), "--key", "runs.1")
+        assert code == 1 and "--key 'runs.1': no '1' under 'runs'" in err
+        code, _, err = self._run(capsys, str(tmp_path / "two.pt"), "--key", "a.slots")
+        assert code == 1 and "not a scalestate manager state" in err
+
+    def test_bad_files(self, capsys, tmp_path):
+        """Missing, garbage, no state inside, corrupt state, untrusted pickle: one line on stderr, status 1."""
+        (tmp_path / "garbage.pt").write_text("not a checkpoint")
+        torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "none.pt")
+        corrupt = _saved_state(ss.DelayedScaling())
+        corrupt["scale"][0] = float("nan")
+        torch.save(corrupt, tmp_path / "corrupt.pt")
+        torch.save({"args": argparse.Namespace(lr=1.0), "fp8": _saved_state(ss.DelayedScaling())}, tmp_path / "ns.pt")
+        cases = {
+            "missing.pt": "no such file",
+            "garbage.pt": "not a file saved by torch.save",
+            "none.pt": "no scalestate manager state found in a dict with keys ['model']",
+            "corrupt.pt": "scale[",
+            "ns.pt": "argparse.Namespace",
+        }
+        for name, message in cases.items():
+            code, out, err = self._run(capsys, str(tmp_path / name))
+            assert code == 1 and out == "" and message in err, (name, err)
+            assert "Traceback" not in err and err.count("\n") == 1
+        code, out, _ = self._run(capsys, str(tmp_path / "ns.pt"), "--unsafe-load")
+        assert code == 0 and "[fp8]" in out
+
+    def test_check_flag_sets_status(self, capsys, tmp_path):
+        """--check: status 3 when a slot is flagged."""
+        torch.save(_saved_state(ss.DelayedScaling()), tmp_path / "s.pt")
+        code, out, _ = self._run(capsys, str(tmp_path / "s.pt"), "--check")
+        assert code == 3 and "slots flagged" in out
+
+    def test_names_with_brackets_are_shown_verbatim(self, capsys, tmp_path):
+        """Slot names are text, not rich markup."""
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        m.register("layers[bold]0", roles=(ss.Role.INPUT,))
+        torch.save(m.state_dict(), tmp_path / "s.pt")
+        _, out, _ = self._run(capsys, str(tmp_path / "s.pt"))
+        assert "layers[bold]0" in out
+
+
+class TestPlot:
+    def test_png_size_and_content(self, capsys, tmp_path):
+        """The PNG opens and is 1200 x 100 * (1 + 2 * names) pixels (3 names: 2 layers and the idle slot)."""
+        import matplotlib.image
+
+        torch.save({"fp8": _saved_state(ss.DelayedScaling())}, tmp_path / "s.pt")
+        assert main(["plot", str(tmp_path / "s.pt"), "-o", str(tmp_path / "amax.png")]) == 0
+        assert "3 of 3 slot names" in capsys.readouterr().out
+        image = matplotlib.image.imread(tmp_path / "amax.png")
+        assert image.shape[:2] == (700, 1200) and image.std() > 0
+
+    def test_capped_with_a_note(self, capsys, tmp_path):
+        """--max-slots caps the rows (flagged names first) and says how many were left out."""
+        torch.save(_saved_state(ss.MXFP8Scaling()), tmp_path / "s.pt")
+        out_png = tmp_path / "a.png"
+        assert main(["plot", str(tmp_path / "s.pt"), "-o", str(out_png), "--max-slots", "1", "--dpi", "50"]) == 0
+        assert "1 of 3 slot names (2 left out: --max-slots)" in capsys.readouterr().out
+        import matplotlib.image
+
+        assert matplotlib.image.imread(out_png).shape[:2] == (150, 600)
+
+    def test_missing_matplotlib_names_the_extra(self, capsys, tmp_path, monkeypatch):
+        """Without matplotlib: status 1 and the extra to install."""
+        torch.save(_saved_state(ss.DelayedScaling()), tmp_path / "s.pt")
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+        assert main(["plot", str(tmp_path / "s.pt"), "-o", str(tmp_path / "a.png")]) == 1
+        assert 'pip install "scalestate[plot]"' in capsys.readouterr().err
+
+
+class TestProgress:
+    def test_plain_lines_every_tenth_when_not_a_terminal(self):
+        """Not a terminal: one plain line per 10% of the run, the last at 100%."""
+        stream = io.StringIO()
+        with Progress("fp8 run", 200, stream=stream) as progress:
+            for i in range(200):
+                progress.update(2.0 - i / 200)
+        lines = stream.getvalue().splitlines()
+        assert not progress.tty and len(lines) == 10
+        assert lines[0].startswith("fp8 run") and " 20/200 ( 10%) loss " in lines[0]
+        assert "200/200 (100%) loss  1.005" in lines[-1] and "\r" not in stream.getvalue()
+
+    def test_rich_bar_on_a_terminal(self, monkeypatch):
+        """On a terminal (forced here), rich draws the bar and leaves it complete."""
+        monkeypatch.setenv("FORCE_COLOR", "1")
+        monkeypatch.delenv("NO_COLOR", raising=False)
+        stream = io.StringIO()
+        with Progress("fp8 run", 4, stream=stream) as progress:
+            for _ in range(4):
+                progress.update(1.5)
+        assert progress.tty and "4/4" in stream.getvalue() and "1.500" in stream.getvalue()
+
+    def test_quiet_demo_prints_no_progress(self, capfd):
+        """--quiet: the report only."""
+        assert main(["demo", *TINY, "--steps", "1", "--no-fp32"]) == 0
+        captured = capfd.readouterr()
+        assert "loss" in captured.out and "/1 (100%)" not in captured.err + captured.out

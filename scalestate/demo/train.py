@@ -148,26 +148,27 @@ def train(
     progress = Progress(label, cfg.steps) if show_progress and rank == 0 else None
     losses: list[float] = []
     start = time.perf_counter()
-    for step_batch in data:
-        total = 0.0
-        chunks = step_batch.chunk(cfg.microbatches)
-        for i, mb in enumerate(chunks):
-            no_sync = getattr(net, "no_sync", None)
-            accumulate = no_sync() if no_sync is not None and i < len(chunks) - 1 else contextlib.nullcontext()
-            with accumulate:
-                with manager.forward() if manager else contextlib.nullcontext():
-                    loss = model.loss(mb, forward=net) / cfg.microbatches
-                with manager.backward() if manager else contextlib.nullcontext():
-                    torch.autograd.backward(loss)
-            total += loss.item()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if manager:
-            manager.step()
-        losses.append(total)
-        if progress:
-            progress.update(total)
+    with progress if progress is not None else contextlib.nullcontext():
+        for step_batch in data:
+            total = 0.0
+            chunks = step_batch.chunk(cfg.microbatches)
+            for i, mb in enumerate(chunks):
+                no_sync = getattr(net, "no_sync", None)
+                accumulate = no_sync() if no_sync is not None and i < len(chunks) - 1 else contextlib.nullcontext()
+                with accumulate:
+                    with manager.forward() if manager else contextlib.nullcontext():
+                        loss = model.loss(mb, forward=net) / cfg.microbatches
+                    with manager.backward() if manager else contextlib.nullcontext():
+                        torch.autograd.backward(loss)
+                total += loss.item()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if manager:
+                manager.step()
+            losses.append(total)
+            if progress is not None:
+                progress.update(total)
     seconds = time.perf_counter() - start
     val_loss = _evaluate(model, cfg, val_tokens)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}

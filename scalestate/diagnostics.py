@@ -1,0 +1,310 @@
+"""Diagnostics of the scaling state: per-slot statistics, risk flags, and the counts behind them.
+
+:meth:`ScalingStateManager.stats() <scalestate.ScalingStateManager.stats>`
+returns a :class:`ScalingStats`: one :class:`SlotStats` per slot (name and
+role), and :meth:`ScalingStats.flat` for any logger. The definitions:
+
+``amax``
+    The newest entry of the slot's amax history: the amax of the last step
+    whose amax was ``> 0`` and finite (a step that did not run the slot, or
+    saw a non-finite amax, adds no entry). 0 if there is none yet.
+``amax_max``
+    The largest entry of the history (what ``amax_compute="max"`` scales from).
+``headroom_bits``
+    ``log2(fp8_max / (amax * scale))`` with the slot's current ``scale``: how
+    many doublings of the newest amax the current scale takes before it
+    saturates. ``+inf`` when ``amax`` is 0 (nothing recorded yet). Under
+    delayed scaling it is at least the recipe's ``margin``; under the
+    just-in-time recipes every cast scales from its own tensor (or tile), so
+    the value only shows the rounding of the scale (0 to 1 bit) and is no risk.
+``nonfinite_steps``
+    Steps whose amax was NaN or infinite (see
+    :meth:`~scalestate.ScalingStateManager.nonfinite_counts`).
+``saturated_fraction``, ``underflow_fraction``, ``cast_elements``
+    Only with ``ScalingStateManager(..., collect_stats=True)``; see
+    :func:`cast_counts` for what is counted, over which casts.
+
+A :class:`RiskFlag` marks a slot that needs a look; the diagnostics guide
+(``docs/diagnostics.md``) says what to do about each.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import attrs
+import torch
+from torch import Tensor
+
+from scalestate.finegrained import apply_tile_scales
+from scalestate.quantized import Quantized
+from scalestate.recipe import Recipe, Role
+
+__all__ = ["COUNT_FIELDS", "RiskFlag", "ScalingStats", "SlotStats", "build_stats", "cast_counts"]
+
+#: Below this headroom (in bits) a delayed-scaling slot is flagged :attr:`RiskFlag.LOW_HEADROOM`.
+LOW_HEADROOM_BITS = 1.0
+
+#: The columns of the per-slot counters, in order (int64, summed over a step's recorded casts).
+COUNT_FIELDS = ("elements", "saturated", "nonzero_inputs", "nonzero_codes")
+
+#: FP8 codes with every bit but the sign clear are +0 and -0 (E4M3FN and E5M2 alike).
+_MAGNITUDE_BITS = 0x7F
+
+
+class RiskFlag(enum.Enum):
+    """Why a slot may need attention (see the diagnostics guide for what to do)."""
+
+    #: Delayed scaling: ``headroom_bits < 1``, so an amax twice the newest saturates.
+    LOW_HEADROOM = "low-headroom"
+    #: Delayed scaling, statistics on: the last step's casts clipped values at the format's max.
+    SATURATED = "saturated"
+    #: Some step saw a NaN or infinite amax (``nonfinite_steps > 0``).
+    NONFINITE = "non-finite"
+    #: After at least one step, the history holds no amax: the slot never recorded a usable one
+    #: (it did not run in a training phase, cast only zeros, or saw only non-finite amaxes);
+    #: its scale has never moved from 1.
+    NO_AMAX = "no-amax"
+    #: Delayed scaling, history of 2 or more: every entry is filled and equal, so the scale has
+    #: not moved over the whole window (expected of a frozen weight).
+    CONSTANT = "constant"
+
+
+@attrs.frozen
+class SlotStats:
+    """The statistics of one slot (one name and role); see :mod:`scalestate.diagnostics`."""
+
+    #: The registered name (e.g. ``"blocks.0.fc1"``).
+    name: str
+    #: The role of its casts.
+    role: Role
+    #: Current scale (the multiplier of the next step's casts under delayed scaling).
+    scale: float
+    #: Newest amax in the history (0: none yet).
+    amax: float
+    #: Largest amax in the history.
+    amax_max: float
+    #: ``log2(fp8_max / (amax * scale))``; ``+inf`` when ``amax`` is 0.
+    headroom_bits: float
+    #: Steps with a NaN or infinite amax.
+    nonfinite_steps: int
+    #: The format's largest value for this role (448 for E4M3, 57344 for E5M2).
+    fp8_max: float
+    #: The amax history, oldest first (0 marks an entry not filled yet).
+    amax_history: tuple[float, ...]
+    #: Elements cast by the last completed step's recorded casts; ``None`` when statistics are off.
+    cast_elements: int | None = None
+    #: Fraction of those elements clipped at ``fp8_max``; ``None`` when statistics are off or
+    #: the slot recorded no cast in the last completed step.
+    saturated_fraction: float | None = None
+    #: Fraction of their non-zero elements that the cast flushed to zero (0.0 if none was
+    #: non-zero); ``None`` as for ``saturated_fraction``.
+    underflow_fraction: float | None = None
+    #: What may need a look, in :class:`RiskFlag` order.
+    flags: tuple[RiskFlag, ...] = ()
+
+    def flat(self, prefix: str = "scalestate") -> dict[str, float]:
+        """``{"<prefix>/<name>/<role>/<stat>": value}``; the fractions only where they are known."""
+        base = f"{prefix}/{self.name}/{self.role.value}/"
+        out = {
+            base + "scale": self.scale,
+            base + "amax": self.amax,
+            base + "amax_max": self.amax_max,
+            base + "headroom_bits": self.headroom_bits,
+            base + "nonfinite_steps": float(self.nonfinite_steps),
+        }
+        if self.saturated_fraction is not None:
+            out[base + "saturated_fraction"] = self.saturated_fraction
+        if self.underflow_fraction is not None:
+            out[base + "underflow_fraction"] = self.underflow_fraction
+        return out
+
+
+class ScalingStats(Mapping[str, Mapping[Role, SlotStats]]):
+    """Statistics of every slot: ``stats[name][role]`` is a :class:`SlotStats`.
+
+    A read-only snapshot, in the slots' registration order (state dict order
+    when made from one). Iterating yields names, like ``nonfinite_counts()``.
+
+    Example:
+        >>> import torch, scalestate as ss
+        >>> manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", collect_stats=True)
+        >>> layer = ss.nn.Linear(8, 8, manager=manager)
+        >>> with manager.forward():
+        ...     loss = layer(torch.full((2, 8), 2.0)).sum()
+        >>> with manager.backward():
+        ...     loss.backward()
+        >>> manager.step()
+        >>> s = manager.stats()
+        >>> s[layer.handle.name][ss.Role.INPUT].amax, s[layer.handle.name][ss.Role.INPUT].saturated_fraction
+        (2.0, 0.0)
+        >>> sorted(s.flat())[0]
+        'scalestate/linear/grad_output/amax'
+    """
+
+    def __init__(self, slots: Sequence[SlotStats], *, iteration: int, recipe: Recipe, collect_stats: bool) -> None:
+        table: dict[str, dict[Role, SlotStats]] = {}
+        for s in slots:
+            table.setdefault(s.name, {})[s.role] = s
+        self._table = table
+        self._slots = tuple(slots)
+        self._iteration = iteration
+        self._recipe = recipe
+        self._collect = collect_stats
+
+    @property
+    def iteration(self) -> int:
+        """The manager's :attr:`~scalestate.ScalingStateManager.iteration` when the snapshot was taken."""
+        return self._iteration
+
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe of the slots."""
+        return self._recipe
+
+    @property
+    def collect_stats(self) -> bool:
+        """Whether cast statistics (the fractions) were collected."""
+        return self._collect
+
+    def __getitem__(self, name: str) -> Mapping[Role, SlotStats]:
+        return self._table[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def slots(self) -> tuple[SlotStats, ...]:
+        """Every slot's statistics, one per (name, role), in order."""
+        return self._slots
+
+    def at_risk(self) -> tuple[SlotStats, ...]:
+        """The slots with at least one :class:`RiskFlag`."""
+        return tuple(s for s in self._slots if s.flags)
+
+    def flat(self, prefix: str = "scalestate") -> dict[str, float]:
+        """Every statistic as ``{"<prefix>/<name>/<role>/<stat>": float}``, for any logger.
+
+        ``<role>`` is the :class:`~scalestate.Role` value (``input``, ``weight``,
+        ``grad_output``); ``<stat>`` is one of ``scale``, ``amax``,
+        ``amax_max``, ``headroom_bits``, ``nonfinite_steps``, and, where
+        known, ``saturated_fraction`` and ``underflow_fraction``. Pass it to
+        ``SummaryWriter.add_scalar`` key by key, or to ``wandb.log`` whole.
+        """
+        out: dict[str, float] = {}
+        for s in self._slots:
+            out.update(s.flat(prefix))
+        return out
+
+    def __repr__(self) -> str:
+        risky = len(self.at_risk())
+        return f"<ScalingStats(step={self._iteration}, slots={len(self._slots)}, at_risk={risky})>"
+
+
+def cast_counts(x: Tensor, q: Quantized, fp8_max: float) -> tuple[int, Tensor]:
+    """What one cast did to its elements: ``(elements, counts)``, counted on the device.
+
+    ``counts`` is an int64 ``[3]`` tensor: ``saturated``, ``nonzero_inputs``
+    and ``nonzero_codes`` of :data:`COUNT_FIELDS` (``elements`` is known on
+    the host). Per element of ``x`` cast with the scale ``s`` of its tile (the
+    one per-tensor scale, or the scale of its row, tile, block or MX block):
+
+    * saturated: ``|x * s| > fp8_max``, computed as the cast computes it, so
+      exactly the elements the cast clipped (``+-inf`` included; NaN is not);
+    * non-zero input: ``x != 0`` (NaN included);
+    * non-zero code: the FP8 result is neither ``+0`` nor ``-0``. A zero
+      input always gives a zero code, so ``nonzero_inputs - nonzero_codes``
+      elements were non-zero and flushed to zero by the cast.
+
+    Where the cast made a second quantization of ``x.t()`` with scales of its
+    own (row-wise, tiles, MX with ``transpose=True``), its elements count too;
+    a transposed copy of the same values (per-tensor scales, square blocks)
+    does not count twice. No host-device sync.
+    """
+    xf = x.detach().float()
+    n, counts = _orientation(xf, q.data, q.scale, q.tile, fp8_max)
+    if q.transposed is not None and q.tile is not None and q.tile[0] == 1 and q.t_tile is not None:
+        n_t, counts_t = _orientation(xf.t(), q.transposed, q.t_scale, q.t_tile, fp8_max)
+        n, counts = n + n_t, counts + counts_t
+    return n, counts
+
+
+def _orientation(
+    xf: Tensor, data: Tensor, scale: Tensor, tile: tuple[int, int] | None, fp8_max: float
+) -> tuple[int, Tensor]:
+    scaled = xf * scale if tile is None else apply_tile_scales(xf, scale, tile)  # a fresh tensor
+    saturated = torch.count_nonzero(scaled.abs_() > fp8_max)
+    nonzero_inputs = torch.count_nonzero(xf)
+    nonzero_codes = torch.count_nonzero(torch.bitwise_and(data.view(torch.uint8), _MAGNITUDE_BITS))
+    return xf.numel(), torch.stack([saturated, nonzero_inputs, nonzero_codes])
+
+
+def build_stats(
+    recipe: Recipe,
+    iteration: int,
+    slots: Sequence[tuple[str, Role]],
+    history: Tensor,
+    scales: Tensor,
+    fp8_max: Tensor,
+    nonfinite: Tensor,
+    counts: Tensor | None,
+) -> ScalingStats:
+    """A :class:`ScalingStats` from a state's rows (reads them back to the host: a device sync).
+
+    Args:
+        recipe: the slots' recipe (decides which flags apply).
+        iteration: steps taken.
+        slots: ``(name, role)`` per row.
+        history: ``[N, H]`` float32 amax histories.
+        scales: ``[N]`` float32 scales.
+        fp8_max: ``[N]`` float32 format maxima.
+        nonfinite: ``[N]`` int64 non-finite step counts.
+        counts: ``[N, 4]`` int64 counters of the last completed step (:data:`COUNT_FIELDS`),
+            or ``None`` when statistics are off.
+    """
+    n = len(slots)
+    floats = torch.cat([history.reshape(n, -1), scales.reshape(n, 1), fp8_max.reshape(n, 1)], dim=1).tolist()
+    steps = nonfinite.tolist()
+    tallies = counts.tolist() if counts is not None else None
+    out = []
+    for i, (name, role) in enumerate(slots):
+        *hist, scale, fmax = floats[i]
+        stat = _slot_stats(name, role, tuple(hist), scale, fmax, int(steps[i]), None if tallies is None else tallies[i])
+        out.append(attrs.evolve(stat, flags=_flags(stat, recipe, iteration)))
+    return ScalingStats(out, iteration=iteration, recipe=recipe, collect_stats=counts is not None)
+
+
+def _slot_stats(
+    name: str, role: Role, hist: tuple[float, ...], scale: float, fmax: float, steps: int, tally: list[int] | None
+) -> SlotStats:
+    amax = hist[-1] if hist else 0.0
+    amax_max = max(hist, default=0.0)
+    headroom = math.log2(fmax / (amax * scale)) if amax > 0 else math.inf
+    elements = saturated = underflow = None
+    if tally is not None:
+        elements, n_saturated, nonzero_inputs, nonzero_codes = (int(v) for v in tally)
+        if elements:
+            saturated = n_saturated / elements
+            underflow = (nonzero_inputs - nonzero_codes) / nonzero_inputs if nonzero_inputs else 0.0
+    return SlotStats(
+        name=name, role=role, scale=scale, amax=amax, amax_max=amax_max, headroom_bits=headroom,
+        nonfinite_steps=steps, fp8_max=fmax, amax_history=hist, cast_elements=elements,
+        saturated_fraction=saturated, underflow_fraction=underflow,
+    )
+
+
+def _flags(s: SlotStats, recipe: Recipe, iteration: int) -> tuple[RiskFlag, ...]:
+    delayed = recipe.delayed
+    found = {
+        RiskFlag.LOW_HEADROOM: delayed and s.amax > 0 and s.headroom_bits < LOW_HEADROOM_BITS,
+        RiskFlag.SATURATED: delayed and bool(s.saturated_fraction),
+        RiskFlag.NONFINITE: s.nonfinite_steps > 0,
+        RiskFlag.NO_AMAX: iteration > 0 and s.amax_max <= 0,
+        RiskFlag.CONSTANT: delayed and len(s.amax_history) >= 2 and s.amax_history[0] > 0
+        and all(h == s.amax_history[0] for h in s.amax_history),
+    }
+    return tuple(flag for flag in RiskFlag if found[flag])
