@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -276,12 +277,72 @@ class TestTrainerCallback:
         assert ScalingStateCallback.state_file_name(TwoRanks()) == "scalestate_1.pt"  # type: ignore[arg-type]
 
 
+def _fsdp_conv1d(rank: int, world: int) -> dict:
+    """GPT-2-style Conv1D layers under FSDP2, with and without the FP8 all-gather: losses, grads-moved
+    weights and scaling state, and the type of the unsharded weight the layer saw."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for fp8_gather in (False, True):
+        manager = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(HFConv1D(24, 16), torch.nn.ReLU(), HFConv1D(6, 24))
+        ss.nn.convert(model, manager, fp8_all_gather=fp8_gather)
+        seen: list[str] = []
+        model[0].register_forward_pre_hook(lambda module, args, seen=seen: seen.append(type(module.weight).__name__))
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        for step in range(3):
+            for micro in range(2):
+                x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+                loss = model(x * (1 + step)).square().mean()
+                loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            manager.step()
+        out[fp8_gather] = {"losses": losses, "state": manager.state_dict(), "seen": seen[0]}
+    return out
+
+
+def test_conv1d_fp8_all_gather_under_fsdp2():
+    """FSDP2 with fp8_all_gather=True gathers the Conv1D weight in FP8 and trains bitwise as without it."""
+    from dist_harness import run_ranks
+
+    for rank_out in run_ranks(_fsdp_conv1d, 2, timeout=120.0):
+        plain, gathered = rank_out[False], rank_out[True]
+        assert gathered["seen"] == "GatheredFP8Weight" and plain["seen"] != "GatheredFP8Weight"
+        assert all(torch.equal(a, b) for a, b in zip(plain["losses"], gathered["losses"], strict=True))
+        assert_same(plain["state"], gathered["state"])
+
+
 def test_missing_extra_names_it(monkeypatch):
     """Without transformers, importing the integration is an ImportError naming the extra."""
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.delitem(sys.modules, "scalestate.integrations.transformers")
     with pytest.raises(ImportError, match=re.escape('pip install "scalestate[transformers]"')):
         importlib.import_module("scalestate.integrations.transformers")
+
+
+def test_core_never_imports_transformers_and_registers_conv1d_lazily():
+    """import scalestate and convert() leave transformers alone; once the program imports it, convert()
+    converts its Conv1D without the integration being imported by hand."""
+    script = """
+import sys, torch, scalestate as ss
+m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+ss.nn.convert(torch.nn.Sequential(torch.nn.Linear(2, 2)), m)
+assert "transformers" not in sys.modules, "core imported transformers"
+from transformers.pytorch_utils import Conv1D
+assert "scalestate.integrations.transformers" not in sys.modules
+net = ss.nn.convert(torch.nn.Sequential(Conv1D(4, 4)), ss.ScalingStateManager(ss.DelayedScaling()))
+assert type(net[0]).__module__ == "scalestate.integrations.transformers", type(net[0])
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_docs_example_runs(tmp_path, monkeypatch):
