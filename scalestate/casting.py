@@ -36,6 +36,8 @@ class Caster:
         self._state = state
         self._binding = binding
         self._delayed = delayed
+        #: collect_stats, fixed for the manager's life (read once: the cast path pays a flag test only).
+        self._stats = state.stats
         #: Per weight row: (epoch, elements, counts) of its cached cast (collect_stats only).
         self._weight_counts: dict[int, tuple[int, int, Tensor]] = {}
 
@@ -62,7 +64,7 @@ class Caster:
         if st.checker is not None and not compiling and kind is not CastKind.EVALUATION:
             q, amax = self._cast_keeping_amax(slot, x, transpose)
             self._record(slot, kind, amax)
-            if kind is CastKind.RECORD and st.stats:
+            if kind is CastKind.RECORD and self._stats:
                 st.add_counts(slot, *cast_counts(x, q, slot.spec.fp8_max))
             return q
         # Eager casts reuse views made once; compiled code derives them from the buffers itself.
@@ -74,7 +76,7 @@ class Caster:
         if record is not None:
             if not compiling:
                 st.note_recorded(slot)
-            if st.stats:
+            if self._stats:
                 st.add_counts(slot, *cast_counts(x, q, slot.spec.fp8_max))
         return q
 
@@ -116,10 +118,10 @@ class Caster:
                 self._record(slot, kind, entry.amax)
             elif kind is CastKind.RECORD:
                 st.note_recorded(slot)
-            if kind is CastKind.RECORD and st.stats:
+            if kind is CastKind.RECORD and self._stats:
                 self._count_weight(slot, x, entry.quantized)
             return entry.quantized
-        if st.stats:
+        if self._stats:
             self._weight_counts.pop(slot.row, None)  # a new cast: counts of the old one no longer apply
         if kind is CastKind.RECORD and st.checker is None:
             q = self._eager_cast(slot, x, transpose, st.views_of(slot)[1])
@@ -129,7 +131,7 @@ class Caster:
             q, amax = self._cast_keeping_amax(slot, x, transpose)
             st.casts.put(slot, x, st.epoch, q, amax)
             self._record(slot, kind, amax)
-        if kind is CastKind.RECORD and st.stats:
+        if kind is CastKind.RECORD and self._stats:
             self._count_weight(slot, x, q)
         return q
 
