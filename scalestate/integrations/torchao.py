@@ -1,0 +1,414 @@
+"""torchao's float8 training with every cast scaled by a :class:`~scalestate.ScalingStateManager`.
+
+Design requirement: torchao's float8 ``Linear`` scales each cast from the
+tensor being cast (dynamic scaling) and keeps no state; it dropped delayed
+scaling. This adapter gives its users delayed scaling (and current scaling)
+with scalestate's guarantees, recompute parity under activation
+checkpointing, microbatch max-reduction, the weight-cast cache, persistence,
+while torchao's own matmuls, kernels and ``torch.compile`` support run
+unchanged.
+
+How: torchao's product (``matmul_with_hp_or_float8_args``) casts an operand
+only if it is not already one of its float8 training tensors. The layers made
+here cast input and weight through the manager's handle in ``forward``, wrap
+each :class:`~scalestate.Quantized` as such a tensor (its FP8 data and
+``Quantized.scale``, the exact multiplier torchao divides by), and hand them
+to torchao's product. An identity on the product's output casts the output
+gradient in backward through the ``GRAD_OUTPUT`` slot, so torchao's backward
+finds it cast as well. torchao saves its operands for backward: here they are
+the FP8 tensors, so a layer keeps one FP8 copy of its input, not the
+high-precision one.
+
+With :class:`~scalestate.CurrentScaling` every cast has torchao's own scale,
+so training is bit for bit that of ``torchao.float8.convert_to_float8_training``
+with the same config. Only per-tensor scaling is served (see
+:func:`convert_to_float8_training` for what is refused, and why).
+
+Needs the ``torchao`` extra: ``pip install "scalestate[torchao]"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from scalestate.errors import ScaleStateError, SlotError
+from scalestate.handle import ScalingHandle
+from scalestate.manager import ScalingStateManager
+from scalestate.nn.linear import Linear as ScalestateLinear
+from scalestate.recipe import Format, Role
+
+try:
+    from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+except ImportError as exc:
+    raise ImportError(
+        "scalestate.integrations.torchao needs torchao (>= 0.18), which is not installed "
+        f"({exc}); install the extra: pip install \"scalestate[torchao]\""
+    ) from exc
+
+__all__ = ["ConversionError", "ConversionTypeError", "ManagedFloat8Linear", "convert_to_float8_training"]
+
+#: The cast configs of a ``Float8LinearConfig`` that cast each role (for each of its two products).
+_CAST_CONFIGS = {
+    Role.INPUT: ("cast_config_input", "cast_config_input_for_grad_weight"),
+    Role.WEIGHT: ("cast_config_weight", "cast_config_weight_for_grad_input"),
+    Role.GRAD_OUTPUT: ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight"),
+}
+
+
+class ConversionError(ScaleStateError, ValueError):
+    """A model, config or manager that this adapter cannot serve; the message names the alternative."""
+
+
+class ConversionTypeError(ConversionError, TypeError):
+    """An argument of the wrong type (a model that is not a module, a manager that is not one, ...)."""
+
+
+class _AsFloat8(torch.autograd.Function):
+    """Forward: ``data`` and ``scale`` as torchao's float8 training tensor standing for ``hp``.
+    Backward: ``hp``'s gradient is the one torchao computes for that tensor, passed through."""
+
+    @staticmethod
+    def forward(ctx: Any, hp: Tensor, data: Tensor, scale: Tensor, mm_config: Any, role: Any) -> Tensor:
+        out: Tensor = Float8TrainingTensor(data, scale, hp.dtype, linear_mm_config=mm_config, gemm_input_role=role)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        return grad, None, None, None, None
+
+
+class _CastGradOutput(torch.autograd.Function):
+    """Forward: identity. Backward: the output gradient cast through the ``GRAD_OUTPUT`` slot,
+    as torchao's float8 training tensor (which torchao's backward then uses as it is)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, handle: ScalingHandle, mm_config: Any) -> Tensor:
+        ctx.handle = handle
+        ctx.mm_config = mm_config
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        q = ctx.handle.quantize(grad, Role.GRAD_OUTPUT)
+        cast: Tensor = Float8TrainingTensor(
+            q.data, q.scale, grad.dtype, linear_mm_config=ctx.mm_config, gemm_input_role=GemmInputRole.GRAD_OUTPUT
+        )
+        return cast, None, None
+
+
+class ManagedFloat8Linear(Float8Linear):  # type: ignore[misc]  # torchao ships no type information
+    """torchao's float8 ``Linear`` whose input, weight and output-gradient casts a manager scales.
+
+    Same products, kernels and ``torch.compile`` support as torchao's
+    ``Float8Linear`` (of which it is a subclass); only the scales differ: they
+    come from the manager's slots under the name :attr:`handle` was registered
+    with. Parameters and ``state_dict`` keys are those of ``torch.nn.Linear``.
+    Made by :func:`convert_to_float8_training`, or directly.
+
+    Args:
+        in_features, out_features, bias: as in ``torch.nn.Linear``.
+        config: torchao's ``Float8LinearConfig`` (per-tensor scaling; see
+            :func:`convert_to_float8_training` for what is refused).
+        manager: owns the layer's scaling state.
+        name: its slot name, unique in the manager.
+        device, dtype: of the parameters, as in ``torch.nn.Linear``.
+
+    Raises:
+        ConversionError: the config or the manager's recipe is not served.
+        ConversionTypeError: ``manager`` or ``config`` has the wrong type.
+        SlotError: ``name`` is taken in ``manager``.
+
+    Example:
+        >>> import torch, scalestate as ss
+        >>> from torchao.float8 import Float8LinearConfig
+        >>> from scalestate.integrations.torchao import ManagedFloat8Linear
+        >>> m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        >>> fc = ManagedFloat8Linear(32, 16, config=Float8LinearConfig(emulate=True), manager=m, name="fc")
+        >>> fc(torch.randn(4, 32)).shape
+        torch.Size([4, 16])
+        >>> fc.handle
+        <ScalingHandle('fc', roles=(INPUT, WEIGHT, GRAD_OUTPUT))>
+    """
+
+    #: The layer's slots in its manager (roles INPUT, WEIGHT, GRAD_OUTPUT).
+    handle: ScalingHandle
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        config: Float8LinearConfig,
+        manager: ScalingStateManager,
+        name: str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        _check(config, manager)
+        super().__init__(in_features, out_features, bias, config=config, device=device, dtype=dtype)
+        self.handle = manager.register(name, roles=tuple(Role))
+
+    @classmethod
+    def from_linear(
+        cls, module: torch.nn.Linear, *, config: Float8LinearConfig, manager: ScalingStateManager, name: str
+    ) -> ManagedFloat8Linear:
+        """A layer that takes over ``module``'s parameter objects (so an optimizer built before keeps them)."""
+        new = cls(
+            module.in_features, module.out_features, bias=False, config=config, manager=manager, name=name,
+            device="meta",
+        )
+        new.weight = module.weight
+        new.bias = module.bias
+        new.train(module.training)
+        return new
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """As ``torch.nn.Module``'s; a new ``weight`` drops the slot's cached weight cast.
+
+        FSDP2 sets the weight at every all-gather and reshard and refills the
+        unsharded weight in place with its version counter preserved: without
+        this, a cast cached before an in-place edit of the shard could be
+        reused (as in :class:`scalestate.nn.Linear`).
+        """
+        super().__setattr__(name, value)
+        handle = self.__dict__.get("handle")
+        if name == "weight" and handle is not None:
+            handle.invalidate_casts()
+
+    def forward(self, input: Tensor) -> Tensor:
+        """torchao's float8 ``input @ weight.T + bias``, with the manager's casts."""
+        # As torchao's Float8Linear: under CUDA autocast the input goes in the autocast dtype.
+        if torch.is_autocast_enabled():
+            input = input.to(torch.get_autocast_dtype("cuda"))
+        handle, mm_config = self.handle, self.linear_mm_config
+        qx = handle.quantize(input, Role.INPUT)
+        qw = handle.quantize(self.weight, Role.WEIGHT)
+        # torch types Function.apply as untyped; each result is the forward's Tensor
+        x8: Tensor = _AsFloat8.apply(input, qx.data, qx.scale, mm_config, GemmInputRole.INPUT)  # type: ignore[no-untyped-call]
+        w8_t: Tensor = _AsFloat8.apply(  # type: ignore[no-untyped-call]
+            self.weight.t(), qw.data.t(), qw.scale, mm_config, GemmInputRole.WEIGHT
+        )
+        out: Tensor = matmul_with_hp_or_float8_args.apply(x8, w8_t, mm_config, self.config)
+        out = _CastGradOutput.apply(out, handle, mm_config)  # type: ignore[no-untyped-call]
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, slot={self.handle.name!r}"
+
+
+def _check(config: Float8LinearConfig, manager: ScalingStateManager) -> None:
+    """Raise unless ``config`` and ``manager`` can drive a :class:`ManagedFloat8Linear` together.
+
+    Raises:
+        ConversionTypeError: ``config`` is not a ``Float8LinearConfig`` or
+            ``manager`` not a :class:`~scalestate.ScalingStateManager`.
+        ConversionError: one of the refusals listed in :func:`convert_to_float8_training`.
+    """
+    if not isinstance(manager, ScalingStateManager):
+        raise ConversionTypeError(
+            f"manager must be a scalestate.ScalingStateManager; got {type(manager).__name__}. "
+            "Make one with ss.ScalingStateManager(ss.DelayedScaling(), backend=...)"
+        )
+    if not isinstance(config, Float8LinearConfig):
+        raise ConversionTypeError(
+            f"config must be a torchao.float8.Float8LinearConfig (or None for its default); got "
+            f"{type(config).__name__}"
+        )
+    recipe = manager.recipe
+    fine = [role.name for role in Role if recipe.granularity(role) is not None]
+    if fine:
+        raise ConversionError(
+            f"the manager's recipe {type(recipe).__name__} scales rows, tiles or blocks ({', '.join(fine)}); "
+            "torchao's float8 training tensors carried through this adapter take one scale per tensor. Use "
+            "ss.DelayedScaling or ss.CurrentScaling here, or keep the fine-grained recipe with scalestate's "
+            "own layers: ss.nn.convert(model, manager)"
+        )
+    for fields in _CAST_CONFIGS.values():
+        for field in fields:
+            cast = getattr(config, field)
+            if cast.scaling_granularity is not ScalingGranularity.TENSORWISE:
+                raise ConversionError(
+                    f"config.{field} scales {cast.scaling_granularity.value} (torchao's 'rowwise' or "
+                    "'rowwise_with_gw_hp' recipe, or an axiswise CastConfig); this adapter serves "
+                    "tensorwise configs only. Use Float8LinearConfig.from_recipe_name('tensorwise') with a "
+                    "per-tensor manager, or for row-wise scaling ss.nn.convert(model, "
+                    "ss.ScalingStateManager(ss.RowwiseScaling(), ...)) without torchao"
+                )
+            if cast.scaling_type is not ScalingType.DYNAMIC:
+                raise ConversionError(
+                    f"config.{field} has scaling_type={cast.scaling_type.value}: that operand stays in high "
+                    "precision, while this adapter casts every operand of the three products through the "
+                    "manager. Use a config whose six cast configs are all dynamic (the default, "
+                    "Float8LinearConfig()), or leave such layers out with module_filter_fn"
+                )
+    if config.enable_fsdp_float8_all_gather:
+        raise ConversionError(
+            "config.enable_fsdp_float8_all_gather=True: torchao's FSDP2 float8 all-gather casts the weight "
+            "shards with its own dynamic scales, outside the manager. Set enable_fsdp_float8_all_gather=False "
+            "(FSDP2 then gathers the high-precision weight and the manager casts it), or all-gather in FP8 "
+            "with scalestate's own layers: ss.nn.convert(model, manager, fp8_all_gather=True)"
+        )
+    wanted = {role: getattr(config, _CAST_CONFIGS[role][0]).target_dtype for role in Role}
+    mismatched = [role for role in Role if recipe.format.dtype(role) != wanted[role]]
+    if mismatched:
+        role = mismatched[0]
+        match = [f for f in Format if all(f.dtype(r) == wanted[r] for r in Role)]
+        fix = (
+            f"make the manager with format=ss.Format.{match[0].name}"
+            if match
+            else "no ss.Format casts those dtypes (INPUT and WEIGHT must share one)"
+        )
+        raise ConversionError(
+            f"config.{_CAST_CONFIGS[role][0]} casts {role.name} to {wanted[role]}, the manager's recipe "
+            f"(format=ss.Format.{recipe.format.name}) to {recipe.format.dtype(role)}. Use one format on both "
+            f"sides: {fix}, or give the config target dtypes matching the recipe's format"
+        )
+    if bool(config.round_scales_to_power_of_2) != recipe.power_of_2:
+        raise ConversionError(
+            f"config.round_scales_to_power_of_2={config.round_scales_to_power_of_2} but the manager's recipe "
+            f"has power_of_2={recipe.power_of_2}; the manager makes every scale here. Set both the same "
+            f"(e.g. ss.{type(recipe).__name__}(..., power_of_2={bool(config.round_scales_to_power_of_2)}))"
+        )
+
+
+def convert_to_float8_training(
+    model: torch.nn.Module,
+    manager: ScalingStateManager,
+    *,
+    config: Float8LinearConfig | None = None,
+    module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
+) -> torch.nn.Module:
+    """Swap ``model``'s ``torch.nn.Linear`` layers for torchao float8 ones scaled by ``manager``.
+
+    The counterpart of ``torchao.float8.convert_to_float8_training``, with the
+    same conventions: every ``torch.nn.Linear`` (subclasses included) for which
+    ``module_filter_fn(module, fqn)`` is true is replaced by a
+    :class:`ManagedFloat8Linear`, in place; ``fqn`` is the module's path
+    (``""`` for ``model`` itself, which is then returned converted). Each layer
+    registers its slots under its path (``"linear"`` for a converted root)
+    and takes over the *same* parameter objects, so weights, ``state_dict``
+    keys and an optimizer built before are kept. A layer reachable by several
+    paths is converted once, under its first path, and replaced at all of
+    them. Nothing changes if any check fails.
+
+    Drive the training loop as with any scalestate model: phase blocks (or
+    none), and ``manager.step()`` after each optimizer step.
+
+    Refused, with :class:`ConversionError` naming the alternative:
+
+    * torchao's row-wise and axiswise recipes
+      (``Float8LinearConfig.from_recipe_name("rowwise")``,
+      ``"rowwise_with_gw_hp"``, any axiswise or disabled ``CastConfig``): the
+      manager's scales here are per tensor.
+    * ``enable_fsdp_float8_all_gather=True``: torchao would cast the weight
+      shards with its own scales; scalestate's
+      ``ss.nn.convert(..., fp8_all_gather=True)`` all-gathers in FP8 with the
+      manager's.
+    * a manager whose recipe is fine-grained
+      (``manager.recipe.granularity(role) is not None``): use
+      ``ss.nn.convert`` for those.
+    * FP8 dtypes of the config that differ from the recipe's format
+      (torchao's default, E4M3 forward and E5M2 for gradients, is
+      ``ss.Format.HYBRID``), or ``round_scales_to_power_of_2`` differing from
+      the recipe's ``power_of_2``.
+    * a layer already converted to float8 (by torchao, by this function or
+      :func:`scalestate.nn.convert`), and a model with no ``torch.nn.Linear``
+      selected.
+
+    Args:
+        model: a ``torch.nn.Module``; converted in place and returned.
+        manager: owns the new layers' scaling state.
+        config: torchao's ``Float8LinearConfig``; default torchao's default
+            (tensorwise, ``Float8LinearConfig()``). Its ``emulate``,
+            ``pad_inner_dim`` and ``gemm_config_*`` keep their meaning for the products.
+        module_filter_fn: ``module_filter_fn(module, fqn) -> bool``, torchao's
+            argument order; only layers for which it is true are converted.
+
+    Returns:
+        ``model``, or the new layer if ``model`` itself is a converted ``torch.nn.Linear``.
+
+    Raises:
+        ConversionError: see above.
+        ConversionTypeError: ``model``, ``manager``, ``config`` or
+            ``module_filter_fn`` has the wrong type.
+        SlotError: a layer's path is already a slot name in ``manager``.
+
+    Example:
+        >>> import torch, scalestate as ss
+        >>> from torchao.float8 import Float8LinearConfig
+        >>> from scalestate.integrations.torchao import convert_to_float8_training
+        >>> manager = ss.ScalingStateManager(ss.DelayedScaling(history_len=16), backend="emulation")
+        >>> net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+        >>> net = convert_to_float8_training(net, manager, config=Float8LinearConfig(emulate=True))
+        >>> list(manager.handles)
+        ['0', '2']
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConversionTypeError(
+            f"model must be a torch.nn.Module; got {type(model).__name__}. Pass the module whose "
+            "torch.nn.Linear layers should run in float8"
+        )
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise ConversionTypeError(
+            f"module_filter_fn must be callable as module_filter_fn(module, fqn) -> bool; got "
+            f"{type(module_filter_fn).__name__}"
+        )
+    if config is None:
+        config = Float8LinearConfig()
+    _check(config, manager)
+    paths: dict[int, list[str]] = {}
+    layers: dict[int, torch.nn.Linear] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, torch.nn.Linear):
+            paths.setdefault(id(module), []).append(path)
+            layers[id(module)] = module
+    chosen = {
+        key: found for key, found in paths.items()
+        if module_filter_fn is None or module_filter_fn(layers[key], found[0])
+    }
+    if not chosen:
+        what = "none passes module_filter_fn" if paths else f"{type(model).__name__} contains none"
+        raise ConversionError(
+            f"found no torch.nn.Linear to convert ({what}); this adapter swaps torch.nn.Linear layers "
+            "only. Pass the model that holds them, or a module_filter_fn that selects some"
+        )
+    fp8_layers = (Float8Linear, ScalestateLinear)
+    done = [found[0] or "<root>" for key, found in chosen.items() if isinstance(layers[key], fp8_layers)]
+    if done:
+        raise ConversionError(
+            f"layer(s) {done} are already float8 layers; convert a model once, with one function: leave "
+            "them out with module_filter_fn, or start from the torch.nn.Linear model"
+        )
+    names = {key: found[0] or _free_name(manager, "linear") for key, found in chosen.items()}
+    taken = [name for name in names.values() if name in manager.handles]
+    if taken:
+        raise SlotError(
+            f"cannot convert: slot name(s) {taken} are already registered with this manager; "
+            "convert each model once per manager, or use a fresh manager"
+        )
+    for key, found in chosen.items():
+        new = ManagedFloat8Linear.from_linear(layers[key], config=config, manager=manager, name=names[key])
+        for path in found:
+            if not path:
+                return new  # the root itself: it holds no other module
+            parent, _, child = path.rpartition(".")
+            setattr(model.get_submodule(parent), child, new)
+    return model
+
+
+def _free_name(manager: ScalingStateManager, base: str) -> str:
+    taken = manager.handles
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    return name
