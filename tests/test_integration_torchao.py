@@ -351,10 +351,11 @@ class TestCompile:
     """torch.compile of the converted model (phase blocks and step() outside it)."""
 
     @pytest.mark.parametrize(
-        ("recipe", "checkpoint"), [("delayed", "none"), ("current", "none"), ("delayed", "non_reentrant")]
+        ("recipe", "checkpoint"),
+        [("delayed", "none"), ("current", "none"), ("delayed", "non_reentrant"), ("delayed", "reentrant")],
     )
     def test_aot_eager_is_eager(self, recipe, checkpoint):
-        """fullgraph (torch's checkpoint inside the compiled model too), one graph, no graph break, no
+        """fullgraph (torch's checkpoint, either kind, inside the compiled model too), one graph, no graph break, no
         recompilation after step 2; everything bitwise eager's without checkpointing."""
         rec = DELAYED if recipe == "delayed" else ss.CurrentScaling()
         model, opt, manager = managed(rec, checkpoint=checkpoint)
@@ -571,3 +572,16 @@ def test_docs_example(monkeypatch, tmp_path):
     assert (manager.state_dict()["amax_history"][:, -4:] > 0).all()  # 4 steps: each slot recorded each step
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert torch.equal(saved["scaling"]["scale"], manager.state_dict()["scale"])
+
+
+@pytest.mark.parametrize("obj", [ManagedFloat8Linear, convert_to_float8_training], ids=lambda o: o.__name__)
+def test_docstring_examples(obj):
+    """The runnable example in each public docstring runs and prints what it says."""
+    import doctest
+
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    tests = doctest.DocTestFinder(recurse=False).find(obj, globs={})
+    assert tests and any(t.examples for t in tests)
+    for t in tests:
+        runner.run(t)
+    assert runner.failures == 0
