@@ -108,6 +108,37 @@ class TestReadme:
         assert torch.equal(want_grad, got_grad)
 
 
+    def test_integration_examples(self, tmp_path, monkeypatch):
+        """The README's torchao and transformers snippets run as written on small models."""
+        from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+        from transformers.pytorch_utils import Conv1D
+
+        monkeypatch.chdir(tmp_path)
+        blocks = _python_blocks(ROOT / "README.md")
+        torchao_block = next(b for b in blocks if "convert_to_float8_training" in b)
+        hf_block = next(b for b in blocks if "ScalingStateCallback" in b)
+
+        torch.manual_seed(0)
+        ns: dict = {"ss": ss, "model": torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))}
+        exec(compile(torchao_block, "README.md", "exec"), ns)
+        ns["model"](torch.randn(8, 32)).square().mean().backward()
+        assert set(ns["manager"].handles) == {"0", "1"}
+        assert all(type(layer).__name__ == "ManagedFloat8Linear" for layer in ns["model"])
+
+        config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(config)
+        ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+        data = [{"input_ids": row, "labels": row} for row in ids]
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
+                                 report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no")
+        ns = {"ss": ss, "model": model, "args": args, "data": data, "Trainer": Trainer,
+              "manager": ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")}
+        exec(compile(hf_block, "README.md", "exec"), ns)
+        assert ns["manager"].iteration == 2
+        assert not any(type(m) is Conv1D for m in model.modules())  # every Conv1D became an FP8 one
+
+
 class _MeanSquare(torch.nn.Module):
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         return y.square().mean()
