@@ -201,7 +201,7 @@ class State:
 
     @property
     def last_counts(self) -> Tensor:
-        """``[N, 4]`` int64 cast statistics of the last completed step (``[N, 0]`` when not collected)."""
+        """``[N, 4]`` int64 cast statistics of the last completed step (empty when not collected)."""
         return self._last_counts[: len(self._slots)]
 
     def add_counts(self, slot: Slot, elements: int, counts: Tensor) -> None:
@@ -256,9 +256,10 @@ class State:
         fp8_max = self._alloc(capacity)
         nonfinite = self._alloc_counts(capacity)
         nonfinite[:n] = self._nonfinite[:n]
-        counts, last_counts = self._alloc_counts(capacity, 4), self._alloc_counts(capacity, 4)
-        counts[:n], last_counts[:n] = self._counts[:n], self._last_counts[:n]
-        self._counts, self._last_counts = counts, last_counts
+        if self._stats:  # without collect_stats the counters stay empty: growth costs nothing more
+            counts, last_counts = self._alloc_counts(capacity, 4), self._alloc_counts(capacity, 4)
+            counts[:n], last_counts[:n] = self._counts[:n], self._last_counts[:n]
+            self._counts, self._last_counts = counts, last_counts
         history[:n] = self._history[:n]
         scales[:n] = self._scales[:n]
         step_amax[:n] = self._step_amax[:n]
@@ -334,8 +335,9 @@ class State:
         self.step_amax.copy_(step_amax)
         if nonfinite is not None:
             self.nonfinite.copy_(nonfinite)
-        self._counts.zero_()  # cast statistics are not saved: a load starts them afresh
-        self._last_counts.zero_()
+        if self._stats:  # cast statistics are not saved: a load starts them afresh
+            self._counts.zero_()
+            self._last_counts.zero_()
         self._iteration = iteration
         self._with_history.clear()
         self._forget_recorded()
@@ -359,7 +361,8 @@ class State:
     def discard(self) -> None:
         """Drop everything recorded since the last step, as if it had not run."""
         self.step_amax.zero_()
-        self._counts.zero_()
+        if self._stats:
+            self._counts.zero_()
         self._forget_recorded()
         self._new_epoch()
 

@@ -65,6 +65,19 @@ def backend(request: pytest.FixtureRequest) -> str | Backend:
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """The test compiles from scratch with dynamo's counters cleared, and a failed one leaves
+    recompilation allowed."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.config.error_on_recompile = False
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def manager(recipe: ss.Recipe, backend: str | Backend) -> ss.ScalingStateManager:
     return ss.ScalingStateManager(recipe, backend=backend)
 

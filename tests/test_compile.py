@@ -50,13 +50,8 @@ BLOCK_INDUCTOR_PARAM_LRS_PER_STEP = 1.0
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test compiles from scratch, and a failed one leaves recompilation allowed."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.config.error_on_recompile = False
-    torch._dynamo.reset()
+def _compile_afresh(fresh_dynamo):
+    """Each test compiles from scratch (see conftest's fresh_dynamo)."""
 
 
 @functools.cache

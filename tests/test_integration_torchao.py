@@ -337,15 +337,6 @@ class TestCheckpointing:
         assert (plain.states[-1]["amax_history"] > 0).all()  # every slot of every role recorded
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.config.error_on_recompile = False
-    torch._dynamo.reset()
-
-
 @pytest.mark.usefixtures("fresh_dynamo")
 class TestCompile:
     """torch.compile of the converted model (phase blocks and step() outside it)."""

@@ -540,16 +540,7 @@ class TestNonFinite:
 # --------------------------------------------------------------------------- torch.compile
 
 
-@pytest.fixture
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.config.error_on_recompile = False
-    torch._dynamo.reset()
-
-
-@pytest.mark.usefixtures("_fresh_dynamo")
+@pytest.mark.usefixtures("fresh_dynamo")
 class TestCompile:
     @pytest.mark.parametrize("name", sorted(FINE))
     def test_inductor_fullgraph_is_bitwise(self, name):

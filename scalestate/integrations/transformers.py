@@ -26,10 +26,8 @@ import torch
 from scalestate.atomic import atomic_save
 from scalestate.errors import StateDictError
 from scalestate.manager import ScalingStateManager
-from scalestate.nn.convert import ConversionRequest, register_conversion, registered_conversions
-from scalestate.nn.fsdp import plain_state_dict, wrap_weight
-from scalestate.nn.linear import _free_name, check_module_arguments, linear
-from scalestate.recipe import Role
+from scalestate.nn.convert import ConversionRequest, adopt_parameters, register_conversion, registered_conversions
+from scalestate.nn.linear import WeightSlotModule, check_module_arguments, linear
 
 _EXTRA = 'pip install "scalestate[transformers]"'
 
@@ -48,7 +46,7 @@ __all__ = ["Conv1D", "ScalingStateCallback", "convert_conv1d"]
 STATE_KEY = "scalestate"
 
 
-class Conv1D(_HFConv1D):
+class Conv1D(WeightSlotModule, _HFConv1D):
     """transformers' ``Conv1D`` with input, weight and gradient cast to FP8 by a manager.
 
     ``y = x @ weight + bias`` with ``weight`` of shape ``(nx, nf)`` =
@@ -99,20 +97,7 @@ class Conv1D(_HFConv1D):
         self.bias = torch.nn.Parameter(torch.zeros(nf, device=device, dtype=dtype))
         if not self.weight.is_meta:
             torch.nn.init.normal_(self.weight, std=0.02)  # transformers' initialization
-        self.handle = manager.register(name if name is not None else _free_name(manager, "conv1d"), roles=tuple(Role))
-        #: Whether FSDP2 all-gathers the weight in FP8 (fixed at construction).
-        self.fp8_all_gather = fp8_all_gather
-        if fp8_all_gather:
-            self.weight = wrap_weight(self.weight, self.handle)
-            # torch leaves register_state_dict_post_hook untyped
-            self.register_state_dict_post_hook(plain_state_dict)  # type: ignore[no-untyped-call]
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """As ``torch.nn.Module``'s; a new ``weight`` drops the slot's cached weight cast (as
-        :meth:`scalestate.nn.Linear.__setattr__` does, for FSDP2)."""
-        super().__setattr__(name, value)
-        if name == "weight" and not self.__dict__.get("fp8_all_gather", True):
-            self.handle.invalidate_casts()
+        self.bind_slot(manager, name, "conv1d", fp8_all_gather)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """FP8 ``x @ weight + bias``."""
@@ -140,10 +125,7 @@ def convert_conv1d(module: torch.nn.Module, request: ConversionRequest) -> Conv1
         device="meta",
         fp8_all_gather=request.fp8_all_gather,
     )
-    new.weight = wrap_weight(module.weight, new.handle) if request.fp8_all_gather else module.weight
-    new.bias = module.bias
-    new.train(module.training)
-    return new
+    return adopt_parameters(new, module, request)
 
 
 if _HFConv1D not in registered_conversions():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
 import attrs
 import torch
@@ -21,7 +22,10 @@ from scalestate.errors import ScaleStateError, SlotError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.nn.fsdp import wrap_weight
-from scalestate.nn.linear import Linear, _free_name
+from scalestate.nn.linear import Linear, WeightSlotModule, _free_name
+
+#: An FP8 module with one weight, as conversions make them.
+M = TypeVar("M", bound=WeightSlotModule)
 
 __all__ = [
     "ConversionFn",
@@ -75,7 +79,16 @@ def _convert_linear(module: torch.nn.Module, request: ConversionRequest) -> torc
         device="meta",
         fp8_all_gather=request.fp8_all_gather,
     )
-    new.weight = wrap_weight(module.weight, new.handle) if request.fp8_all_gather else module.weight
+    return adopt_parameters(new, module, request)
+
+
+def adopt_parameters(new: M, module: torch.nn.Module, request: ConversionRequest) -> M:
+    """``new`` (made on ``meta``) takes over ``module``'s ``weight`` and ``bias`` objects and its
+    train/eval mode; the weight is wrapped for an FP8 all-gather when the request asks for one."""
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.weight is a {type(weight).__name__}, not a tensor: nothing to adopt")
+    new.weight = wrap_weight(weight, new.handle) if request.fp8_all_gather else weight
     new.bias = module.bias
     new.train(module.training)
     return new

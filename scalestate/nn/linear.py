@@ -232,7 +232,39 @@ def _meta_linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: Scaling
     return torch.nn.functional.linear(x, weight.to(x.dtype), b)
 
 
-class Linear(torch.nn.Linear):
+class WeightSlotModule(torch.nn.Module):
+    """What an FP8 module with one ``weight`` parameter shares (``Linear``, ``Conv1D``):
+    its slot, its FP8 all-gather wrapping, and dropping its cached cast when FSDP2 sets the weight."""
+
+    handle: ScalingHandle
+    #: Whether FSDP2 all-gathers the weight in FP8 (fixed at construction).
+    fp8_all_gather: bool
+
+    def bind_slot(self, manager: ScalingStateManager, name: str | None, default: str, fp8_all_gather: bool) -> None:
+        """Register the slot (``name``, or ``default`` made unique) and wrap the weight for an FP8 all-gather."""
+        self.handle = manager.register(name if name is not None else _free_name(manager, default), roles=tuple(Role))
+        self.fp8_all_gather = fp8_all_gather
+        if fp8_all_gather:
+            # setattr: subclasses type `weight` as their bases do (Tensor, Parameter); this works on each
+            setattr(self, "weight", wrap_weight(self.get_parameter("weight"), self.handle))  # noqa: B010
+            # torch leaves register_state_dict_post_hook untyped
+            self.register_state_dict_post_hook(plain_state_dict)  # type: ignore[no-untyped-call]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """As ``torch.nn.Module``'s; a new ``weight`` drops the slot's cached weight cast.
+
+        FSDP2 sets the weight at every all-gather and reshard (a module that
+        overrides ``__setattr__`` gets the call), and refills the unsharded
+        weight in place with its version counter preserved: without this, a
+        cast cached before an in-place edit of the sharded weight could be
+        reused. The FP8 all-gather keys its casts on the shard instead.
+        """
+        super().__setattr__(name, value)
+        if name == "weight" and not self.__dict__.get("fp8_all_gather", True):
+            self.handle.invalidate_casts()
+
+
+class Linear(WeightSlotModule, torch.nn.Linear):
     """``torch.nn.Linear`` with input, weight and gradient cast to FP8 by a manager.
 
     Forward: ``x`` and the weight are cast (the weight cast is cached until the
@@ -282,26 +314,7 @@ class Linear(torch.nn.Linear):
     ) -> None:
         check_module_arguments(manager, fp8_all_gather)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.handle = manager.register(name if name is not None else _free_name(manager, "linear"), roles=tuple(Role))
-        #: Whether FSDP2 all-gathers the weight in FP8 (fixed at construction).
-        self.fp8_all_gather = fp8_all_gather
-        if fp8_all_gather:
-            self.weight = wrap_weight(self.weight, self.handle)
-            # torch leaves register_state_dict_post_hook untyped
-            self.register_state_dict_post_hook(plain_state_dict)  # type: ignore[no-untyped-call]
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """As ``torch.nn.Module``'s; a new ``weight`` drops the slot's cached weight cast.
-
-        FSDP2 sets the weight at every all-gather and reshard (a module that
-        overrides ``__setattr__`` gets the call), and refills the unsharded
-        weight in place with its version counter preserved: without this, a
-        cast cached before an in-place edit of the sharded weight could be
-        reused. The FP8 all-gather keys its casts on the shard instead.
-        """
-        super().__setattr__(name, value)
-        if name == "weight" and not self.__dict__.get("fp8_all_gather", True):
-            self.handle.invalidate_casts()
+        self.bind_slot(manager, name, "linear", fp8_all_gather)
 
     def forward(self, x: Tensor) -> Tensor:
         """FP8 ``x @ weight.T + bias``."""
