@@ -327,7 +327,7 @@ def test_missing_extra_names_it(monkeypatch):
         importlib.import_module("scalestate.integrations.transformers")
 
 
-def test_core_never_imports_transformers_and_registers_conv1d_lazily():
+def test_core_never_imports_transformers_and_registers_conv1d_lazily(tmp_path):
     """import scalestate and convert() leave transformers alone; once the program imports it, convert()
     converts its Conv1D without the integration being imported by hand."""
     script = """
@@ -341,7 +341,11 @@ net = ss.nn.convert(torch.nn.Sequential(Conv1D(4, 4)), ss.ScalingStateManager(ss
 assert type(net[0]).__module__ == "scalestate.integrations.transformers", type(net[0])
 print("ok")
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    # cwd outside the source tree: `python -c` puts the cwd first on sys.path, and the source tree's
+    # scalestate/ lacks scalestate.backends (installed from backends/)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
