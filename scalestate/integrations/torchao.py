@@ -35,10 +35,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from scalestate.errors import ScaleStateError, SlotError
+from scalestate.errors import ScaleStateError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
+from scalestate.nn.convert import find_layers, place_layer, refuse_taken_names
 from scalestate.nn.linear import Linear as ScalestateLinear
+from scalestate.nn.linear import WeightSlotModule, _free_name
 from scalestate.recipe import Format, Role
 
 try:
@@ -102,7 +104,7 @@ class _CastGradOutput(torch.autograd.Function):
         return cast, None, None
 
 
-class ManagedFloat8Linear(Float8Linear):  # type: ignore[misc]  # torchao ships no type information
+class ManagedFloat8Linear(WeightSlotModule, Float8Linear):  # type: ignore[misc]  # torchao ships no type information
     """torchao's float8 ``Linear`` whose input, weight and output-gradient casts a manager scales.
 
     Same products, kernels and ``torch.compile`` support as torchao's
@@ -136,8 +138,8 @@ class ManagedFloat8Linear(Float8Linear):  # type: ignore[misc]  # torchao ships 
         <ScalingHandle('fc', roles=(INPUT, WEIGHT, GRAD_OUTPUT))>
     """
 
-    #: The layer's slots in its manager (roles INPUT, WEIGHT, GRAD_OUTPUT).
-    handle: ScalingHandle
+    weight: Tensor
+    bias: Tensor | None
 
     def __init__(
         self,
@@ -153,7 +155,7 @@ class ManagedFloat8Linear(Float8Linear):  # type: ignore[misc]  # torchao ships 
     ) -> None:
         _check(config, manager)
         super().__init__(in_features, out_features, bias, config=config, device=device, dtype=dtype)
-        self.handle = manager.register(name, roles=tuple(Role))
+        self.bind_slot(manager, name, "linear", fp8_all_gather=False)  # torchao's own all-gather is refused
 
     @classmethod
     def from_linear(
@@ -168,19 +170,6 @@ class ManagedFloat8Linear(Float8Linear):  # type: ignore[misc]  # torchao ships 
         new.bias = module.bias
         new.train(module.training)
         return new
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """As ``torch.nn.Module``'s; a new ``weight`` drops the slot's cached weight cast.
-
-        FSDP2 sets the weight at every all-gather and reshard and refills the
-        unsharded weight in place with its version counter preserved: without
-        this, a cast cached before an in-place edit of the shard could be
-        reused (as in :class:`scalestate.nn.Linear`).
-        """
-        super().__setattr__(name, value)
-        handle = self.__dict__.get("handle")
-        if name == "weight" and handle is not None:
-            handle.invalidate_casts()
 
     def forward(self, input: Tensor) -> Tensor:
         """torchao's float8 ``input @ weight.T + bias``, with the manager's casts."""
@@ -365,50 +354,30 @@ def convert_to_float8_training(
     if config is None:
         config = Float8LinearConfig()
     _check(config, manager)
-    paths: dict[int, list[str]] = {}
-    layers: dict[int, torch.nn.Linear] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, torch.nn.Linear):
-            paths.setdefault(id(module), []).append(path)
-            layers[id(module)] = module
+    linears = find_layers(model, lambda module: isinstance(module, torch.nn.Linear))
     chosen = {
-        key: found for key, found in paths.items()
-        if module_filter_fn is None or module_filter_fn(layers[key], found[0])
+        key: (module, paths) for key, (module, paths) in linears.items()
+        if module_filter_fn is None or module_filter_fn(module, paths[0])
     }
     if not chosen:
-        what = "none passes module_filter_fn" if paths else f"{type(model).__name__} contains none"
+        what = "none passes module_filter_fn" if linears else f"{type(model).__name__} contains none"
         raise ConversionError(
             f"found no torch.nn.Linear to convert ({what}); this adapter swaps torch.nn.Linear layers "
             "only. Pass the model that holds them, or a module_filter_fn that selects some"
         )
     fp8_layers = (Float8Linear, ScalestateLinear)
-    done = [found[0] or "<root>" for key, found in chosen.items() if isinstance(layers[key], fp8_layers)]
+    done = [paths[0] or "<root>" for module, paths in chosen.values() if isinstance(module, fp8_layers)]
     if done:
         raise ConversionError(
             f"layer(s) {done} are already float8 layers; convert a model once, with one function: leave "
             "them out with module_filter_fn, or start from the torch.nn.Linear model"
         )
-    names = {key: found[0] or _free_name(manager, "linear") for key, found in chosen.items()}
-    taken = [name for name in names.values() if name in manager.handles]
-    if taken:
-        raise SlotError(
-            f"cannot convert: slot name(s) {taken} are already registered with this manager; "
-            "convert each model once per manager, or use a fresh manager"
-        )
-    for key, found in chosen.items():
-        new = ManagedFloat8Linear.from_linear(layers[key], config=config, manager=manager, name=names[key])
-        for path in found:
-            if not path:
-                return new  # the root itself: it holds no other module
-            parent, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent), child, new)
+    names = {key: paths[0] or _free_name(manager, "linear") for key, (_, paths) in chosen.items()}
+    refuse_taken_names(manager, list(names.values()))
+    for key, (module, paths) in chosen.items():
+        assert isinstance(module, torch.nn.Linear)  # find_layers matched only those
+        new = ManagedFloat8Linear.from_linear(module, config=config, manager=manager, name=names[key])
+        if paths == [""]:
+            return new  # the root itself: it holds no other module
+        place_layer(model, paths, new)
     return model
-
-
-def _free_name(manager: ScalingStateManager, base: str) -> str:
-    taken = manager.handles
-    name, i = base, 0
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    return name

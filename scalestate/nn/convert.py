@@ -280,35 +280,57 @@ def convert(
             base = "linear" if type(model) is torch.nn.Linear else type(model).__name__.lower()
             return _build(fn, model, ConversionRequest(manager, _free_name(manager, base), fp8_all_gather))
         return model
-    # Every path to every layer: a layer reachable twice (shared) is converted
-    # once, under its first path, and replaced at all of them.
-    paths: dict[int, list[str]] = {}
-    layers: dict[int, tuple[torch.nn.Module, ConversionFn]] = {}
+    # (the model itself is not of a registered type: it was handled above)
+    layers = find_layers(model, lambda module: _conversion_for(module) is not None)
+    chosen = {
+        key: (module, paths) for key, (module, paths) in layers.items()
+        if filter_fn is None or filter_fn(paths[0], module)
+    }
+    refuse_taken_names(manager, [paths[0] for _, paths in chosen.values()])
+    if fp8_all_gather:
+        _refuse_tied_weights({paths[0]: module for module, paths in chosen.values()})
+    # Build every replacement before placing any: a conversion that fails leaves the model as it was.
+    built = {}
+    for key, (module, paths) in chosen.items():
+        fn = _conversion_for(module)
+        assert fn is not None  # find_layers matched only modules that have one
+        built[key] = _build(fn, module, ConversionRequest(manager, paths[0], fp8_all_gather))
+    for key, (_, paths) in chosen.items():
+        place_layer(model, paths, built[key])
+    return model
+
+
+def find_layers(
+    model: torch.nn.Module, match: Callable[[torch.nn.Module], bool]
+) -> dict[int, tuple[torch.nn.Module, list[str]]]:
+    """Every module of ``model`` (itself included, path ``""``) for which ``match`` holds, keyed by
+    ``id``, with every path that reaches it, first path first: a layer reachable by several paths
+    (shared) is converted once, under its first path, and placed at all of them."""
+    found: dict[int, tuple[torch.nn.Module, list[str]]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        fn = _conversion_for(module) if path else None
-        if fn is not None:
-            paths.setdefault(id(module), []).append(path)
-            layers[id(module)] = (module, fn)
-    chosen = {key: found for key, found in paths.items() if filter_fn is None or filter_fn(found[0], layers[key][0])}
-    taken = [found[0] for found in chosen.values() if found[0] in manager.handles]
-    if taken:  # check before changing anything: a half-converted model helps no one
+        if id(module) in found:
+            found[id(module)][1].append(path)
+        elif match(module):
+            found[id(module)] = (module, [path])
+    return found
+
+
+def refuse_taken_names(manager: ScalingStateManager, names: list[str]) -> None:
+    """Raise ``SlotError`` if any of ``names`` is a slot of ``manager``: checked before any layer
+    changes, since a half-converted model helps no one."""
+    taken = [name for name in names if name in manager.handles]
+    if taken:
         raise SlotError(
             f"cannot convert: slot name(s) {taken} are already registered with this manager; "
             "convert each model once per manager, or use a fresh manager"
         )
-    if fp8_all_gather:
-        _refuse_tied_weights({found[0]: layers[key][0] for key, found in chosen.items()})
-    # Build every replacement before placing any: a conversion that fails leaves the model as it was.
-    built = {
-        key: _build(layers[key][1], layers[key][0], ConversionRequest(manager, found[0], fp8_all_gather))
-        for key, found in chosen.items()
-    }
-    for key, found in chosen.items():
-        new = built[key]
-        for path in found:
-            parent_path, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent_path), child, new)
-    return model
+
+
+def place_layer(model: torch.nn.Module, paths: list[str], new: torch.nn.Module) -> None:
+    """Put ``new`` at every (non-empty) path of ``model`` in ``paths``."""
+    for path in paths:
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
 
 
 def _conversion_for(module: torch.nn.Module) -> ConversionFn | None:
