@@ -56,6 +56,7 @@ __all__ = [
     "StepUpdate",
     "SupportsRecipe",
     "available_backends",
+    "check_backend",
     "check_supports",
     "get_backend",
     "register_backend",
@@ -237,14 +238,7 @@ def resolve_backend(name: str, device: torch.device | None = None, *, recipe: Re
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name != "auto":
         backend = get_backend(name)
-        ok, reason = backend.available(device)
-        if not ok:
-            raise BackendUnavailableError(
-                f"backend {name!r} cannot run on {device}: {reason}. "
-                "Use backend='auto' or backend='emulation'"
-            )
-        if recipe is not None:
-            check_supports(backend, name, recipe, device)
+        check_backend(backend, name, device, recipe)
         return backend
     reasons = []
     for candidate in _AUTO_ORDER.get(device.type, ("emulation",)):
@@ -265,6 +259,18 @@ def resolve_backend(name: str, device: torch.device | None = None, *, recipe: Re
         reasons.append(f"{candidate}: {reason}")
     what = "" if recipe is None else f" {type(recipe).__name__}"
     raise BackendUnavailableError(f"no backend can run{what} on {device}: " + "; ".join(reasons))
+
+
+def check_backend(backend: Backend, label: str, device: torch.device, recipe: Recipe | None = None) -> None:
+    """Raise :class:`BackendUnavailableError` with the reason unless ``backend`` (named ``label`` in
+    messages) is available on ``device`` and, given ``recipe``, :func:`supports` it there."""
+    ok, reason = backend.available(device)
+    if not ok:
+        raise BackendUnavailableError(
+            f"backend {label!r} cannot run on {device}: {reason}. Use backend='auto' or backend='emulation'"
+        )
+    if recipe is not None:
+        check_supports(backend, label, recipe, device)
 
 
 def check_supports(backend: Backend, label: str, recipe: Recipe, device: torch.device) -> None:

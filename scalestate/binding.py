@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from scalestate.backends import Backend, check_supports, get_backend, resolve_backend, validate_backend
+from scalestate.backends import Backend, check_backend, get_backend, resolve_backend, validate_backend
 from scalestate.errors import BackendUnavailableError, ScaleStateError
 from scalestate.recipe import Recipe
 from scalestate.state import State
@@ -65,14 +65,7 @@ class BackendBinding:
         if self._backend is None:
             self._backend = resolve_backend("auto", device, recipe=self._recipe)
         else:
-            ok, reason = self._backend.available(device)
-            if not ok:
-                raise BackendUnavailableError(
-                    f"backend {self._name!r} cannot run on {device}: {reason}. "
-                    "Use backend='auto' or backend='emulation'"
-                )
-            if self._recipe is not None:
-                check_supports(self._backend, self._name, self._recipe, device)
+            check_backend(self._backend, self._name, device, self._recipe)
         self._checked = True
 
     def settle(self, device: torch.device | None) -> None:
