@@ -24,10 +24,12 @@ TIMEOUT = datetime.timedelta(minutes=5)
 def join_group() -> Iterator[None]:
     """Join the gloo group ``torchrun`` describes in the environment; leave it on exit."""
     dist.init_process_group("gloo", timeout=TIMEOUT)
+    done = False
     try:
         yield
+        done = True
     finally:
-        dist.destroy_process_group()
+        _leave_group(done)
 
 
 def launch(ranks: int, fn: Callable[[Any], int], arg: Any) -> int:
@@ -64,9 +66,20 @@ def launch(ranks: int, fn: Callable[[Any], int], arg: Any) -> int:
 def _rank(rank: int, ranks: int, store: str, threads: int, fn: Callable[[Any], int], arg: Any, status: Any) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks, timeout=TIMEOUT)
+    code = None
     try:
         code = fn(arg)
     finally:
-        dist.destroy_process_group()
+        _leave_group(code is not None)
     if rank == 0:
         status.put(code)
+
+
+def _leave_group(finished: bool) -> None:
+    """Leave the group; a rank that finished first waits for every other one (a barrier), so that no
+    rank tears down its gloo connections while a peer still uses them (seen as a rank aborting at exit,
+    "terminate called without an active exception", after a successful run). A rank that failed leaves
+    at once: waiting for the others could hang."""
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
