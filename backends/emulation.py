@@ -20,6 +20,7 @@ from scalestate.finegrained import quantize as fine_quantize
 from scalestate.math import scale_from_amax, update_scales
 from scalestate.quantized import Quantized
 from scalestate.recipe import Recipe
+from scalestate.sac import hidden_from_sac
 
 __all__ = ["EmulationBackend"]
 
@@ -94,7 +95,8 @@ class EmulationBackend:
             or data.device.type != "cpu"
             or torch.compiler.is_compiling()
         ):
-            return q.dequantize() if q.tile is not None else data.to(torch.float32).mul_(q.scale_inv)
+            # Out of place: selective checkpointing may keep the converted data (see scalestate.sac).
+            return q.dequantize() if q.tile is not None else data.to(torch.float32) * q.scale_inv
         if q.tile is not None:
             return apply_tile_scales(self._gather(data, None), q.scale_inv, q.tile)
         return self._gather(data, q.scale_inv)
@@ -103,8 +105,10 @@ class EmulationBackend:
         """E4M3 ``data`` as float32 (times a 0-d ``scale_inv`` if given) through the table."""
         table = self._e4m3_tables.get(data.device)
         if table is None:
-            codes = torch.arange(256, dtype=torch.uint8, device=data.device)
-            table = self._e4m3_tables[data.device] = codes.view(torch.float8_e4m3fn).float()
+            # Built once, out of sight of selective checkpointing: a recompute would not build it again.
+            with hidden_from_sac():
+                codes = torch.arange(256, dtype=torch.uint8, device=data.device)
+                table = self._e4m3_tables[data.device] = codes.view(torch.float8_e4m3fn).float()
         codes = data.view(torch.uint8)
         flip = codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous()
         if flip:  # a transposed operand: gather in its memory order, transpose back

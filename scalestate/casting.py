@@ -24,6 +24,7 @@ from scalestate.errors import CastError, PhaseError
 from scalestate.phase import CastKind, classify, in_training_function_forward, read_signals
 from scalestate.quantized import Quantized
 from scalestate.recipe import Direction, Role
+from scalestate.sac import hidden_from_sac
 from scalestate.state import Slot, State
 
 __all__ = ["Caster"]
@@ -52,12 +53,18 @@ class Caster:
             raise CastError(
                 f"slot {slot.name!r} {slot.role.name}: transpose=True needs a 2-d tensor; got shape {tuple(x.shape)}"
             )
-        st = self._state
-        compiling = torch.compiler.is_compiling()
-        if compiling:
+        if torch.compiler.is_compiling():
             settle_during_trace(self._binding, x.device)
-        elif not self._binding.ready or x.device != st.device:
-            self._binding.settle(x.device)
+            return self._cast(slot, x, transpose, compiling=True)
+        # Out of sight of selective checkpointing (see scalestate.sac): whether and how this
+        # cast runs depends on the cache, the phase and debug mode, not only on the region.
+        with hidden_from_sac():
+            if not self._binding.ready or x.device != self._state.device:
+                self._binding.settle(x.device)
+            return self._cast(slot, x, transpose, compiling=False)
+
+    def _cast(self, slot: Slot, x: Tensor, transpose: bool, *, compiling: bool) -> Quantized:
+        st = self._state
         kind = self._classify(slot, compiling) if slot.forward else CastKind.RECORD
         if slot.role is Role.WEIGHT and not compiling:
             return self._cast_weight(slot, x, kind, transpose)
@@ -120,7 +127,8 @@ class Caster:
                 st.note_recorded(slot)
             if kind is CastKind.RECORD and self._stats:
                 self._count_weight(slot, x, entry.quantized)
-            return entry.quantized
+            # What was asked for, whatever the cast held: a recompute that misses gets the same.
+            return entry.quantized if transpose else entry.quantized.rowwise()
         if self._stats:
             self._weight_counts.pop(slot.row, None)  # a new cast: counts of the old one no longer apply
         if kind is CastKind.RECORD and st.checker is None:

@@ -41,8 +41,14 @@ CHECKPOINTS = {
 TORCH_CHECKPOINTS = ["non_reentrant", "none", "wrapper"]
 
 #: Inductor against eager for the transformer block: the largest difference of amax histories,
-#: scales and outputs, relative to the tensor's largest magnitude (measured: <= 3.5e-7).
-BLOCK_INDUCTOR_RTOL = 1e-6
+#: scales and outputs, relative to the tensor's largest magnitude. Inductor does not keep the bits
+#: of layer norm, GELU and attention; an ulp of difference before a cast that lands on an FP8
+#: rounding boundary flips that element's rounding (an E4M3 ulp is 2**-3 of its value), and the
+#: flip propagates through later layers, steps and parameter updates. How often that happens
+#: depends on the CPU's vector code: measured 3.5e-7 on one machine, 2.5e-2 after 5 steps on an
+#: AVX-512 one (and 7e-4 with the weights held fixed). Half an E4M3 ulp bounds those, far below
+#: what a wrong scale or a mixed-up history gives (a factor of 2 or more).
+BLOCK_INDUCTOR_RTOL = 2**-4
 #: ... and of parameters, in learning rates per step: AdamW's first steps divide each gradient
 #: element by its own magnitude, so an ulp of difference in a near-zero gradient (or one FP8
 #: rounding flipped by it) moves a parameter by up to the learning rate (measured: <= 0.2).

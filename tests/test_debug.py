@@ -10,6 +10,8 @@ import torch.utils.checkpoint as tcp
 
 import scalestate as ss
 from helpers import assert_bitwise, train
+from sac_programs import BACKENDS, Policy, Program, Region, differences, run
+from sac_programs import RECIPES as PROGRAM_RECIPES
 from scalestate.errors import RecomputeMismatchError
 
 #: Each fine-grained recipe on one backend here (see conftest.FINE_RECIPE_BACKEND).
@@ -79,3 +81,62 @@ class TestDetector:
         with m.backward():
             y.sum().backward()
         assert not m.debug
+
+
+class TestRecomputedMoreThanOnce:
+    """A forward amax may be recomputed any number of times; only an amax no forward observed is an error."""
+
+    @pytest.mark.parametrize("mechanism", ["non_reentrant", "selective", "ss"])
+    def test_nested_regions(self, recipe, backend, mechanism):
+        """Per-block regions inside one around the model recompute each block twice: no error, bitwise."""
+        ref = train(recipe, backend)
+        got = train(recipe, backend, mechanism=mechanism, granularity="nested", manager_kwargs={"debug": True})
+        assert_bitwise(ref, got)
+
+    def test_begin_recompute_of_a_stage_that_checkpoints_inside(self, recipe, backend):
+        """A pipeline's no-grad forward, its begin_recompute() re-run, then autograd's recompute: no error."""
+        ref = train(recipe, backend)
+        got = train(
+            recipe, backend, schedule="manual_recompute", granularity="block", manager_kwargs={"debug": True}
+        )
+        assert_bitwise(ref, got)
+
+    def test_nested_regions_still_catch_a_mismatch(self):
+        """Dropout without preserved RNG state inside nested regions still raises, naming the slot."""
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", debug=True)
+        model = _noisy_model(m)
+        inner = functools.partial(tcp.checkpoint, use_reentrant=False, preserve_rng_state=False)
+
+        def region(x):
+            return inner(model, x)
+
+        x = torch.randn(16, 32, requires_grad=True)
+        with m.forward():
+            y = tcp.checkpoint(region, x, use_reentrant=False, preserve_rng_state=False)
+        torch.rand(100)
+        with pytest.raises(RecomputeMismatchError, match="'fc2' \\(INPUT\\)"), m.backward():
+            y.sum().backward()
+
+    def test_begin_recompute_with_another_input_is_caught(self):
+        """A re-run whose input differs from the forward's raises at the re-run, listing the forward's amax."""
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", debug=True)
+        layer = ss.nn.Linear(32, 32, manager=m, name="stage")
+        x = torch.randn(4, 32)
+        m.begin_forward()
+        with torch.no_grad():
+            layer(x)
+        m.begin_recompute()
+        with pytest.raises(RecomputeMismatchError, match="'stage' \\(INPUT\\) at step 0") as info:
+            layer(x * 2)
+        amax = torch.linalg.vector_norm(x, float("inf")).item()
+        assert repr(amax) in str(info.value)
+
+    @pytest.mark.parametrize("backend_name", BACKENDS)
+    @pytest.mark.parametrize("recipe_name", sorted(PROGRAM_RECIPES))
+    def test_selective_with_every_op_saved(self, recipe_name, backend_name):
+        """Selective checkpointing that saves every op, in nested regions, with debug on: no error, bitwise."""
+        program = Program(
+            recipe_name, backend_name, (("mlp", Region("sac", Policy())), ("tied", Region("plain"))),
+            outer=Region("sac", Policy()), debug=True,
+        )
+        assert not differences(run(program), run(program.plain()))

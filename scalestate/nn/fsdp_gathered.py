@@ -18,6 +18,7 @@ from torch import Tensor
 from scalestate.handle import ScalingHandle
 from scalestate.quantized import Quantized
 from scalestate.recipe import Role
+from scalestate.sac import hidden_from_sac
 
 __all__ = ["GatheredFP8Weight"]
 
@@ -85,7 +86,8 @@ class GatheredFP8Weight(torch.Tensor):
         transposed = None
         if transpose:
             if self._transposed is None:
-                self._transposed = self._data.t().contiguous()
+                with hidden_from_sac():  # made once per gather: a recompute may find it made
+                    self._transposed = self._data.t().contiguous()
             transposed = self._transposed
         return Quantized(self._data, scale=self._scale, scale_inv=self._scale_inv, transposed=transposed)
 

@@ -67,6 +67,7 @@ from scalestate.errors import CastError
 from scalestate.handle import ScalingHandle
 from scalestate.quantized import Quantized
 from scalestate.recipe import Role, fp8_max
+from scalestate.sac import hidden_from_sac
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -296,13 +297,14 @@ class _ShardCaster:
         """
         if not dims:
             return self.handle.quantize(x, role, transpose=transpose)
-        amax = _global_amax(x, self.mesh, dims)
-        scale = self.handle.quantize(amax, role).scale
-        recipe = self.handle.manager.recipe
-        dtype = recipe.format.dtype(role)
-        spec = CastSpec(dtype, fp8_max(dtype), recipe.rule)
-        request = CastRequest(x.detach(), spec, scale, False, None, transpose)
-        return self.backend.cast(request)
+        with hidden_from_sac():  # like every cast (see scalestate.sac)
+            amax = _global_amax(x, self.mesh, dims)
+            scale = self.handle.quantize(amax, role).scale
+            recipe = self.handle.manager.recipe
+            dtype = recipe.format.dtype(role)
+            spec = CastSpec(dtype, fp8_max(dtype), recipe.rule)
+            request = CastRequest(x.detach(), spec, scale, False, None, transpose)
+            return self.backend.cast(request)
 
 
 def _global_amax(x: Tensor, mesh: DeviceMesh, dims: Sequence[int]) -> Tensor:
