@@ -3,8 +3,9 @@
 A :class:`Program` says everything a run does: the model (blocks of FP8
 layers beside the high-precision ops users put around them: RMS norms made of
 ``linalg_vector_norm``, ``div`` and ``mul``, layer norms, attention, plain
-``torch.nn.Linear``, a weight used twice), how each block and the whole model
-are checkpointed (plain, reentrant, selective with a policy, nested), the
+``torch.nn.Linear``; a weight used twice; a weight stored ``(in, out)``), how
+each block and the whole model are checkpointed (plain, reentrant, selective
+with a policy, nested), the
 recipe and backend, the phase style, and the events between passes:
 evaluation passes of the model or of a copy sharing the manager (on this
 thread or another, also between a forward and its backward), dropped casts,
@@ -45,7 +46,7 @@ RECIPES: dict[str, ss.Recipe] = {
     "mxfp8": ss.MXFP8Scaling(),
 }
 BACKENDS = ("emulation", "scaled_mm")
-BLOCK_KINDS = ("mlp", "attn", "mixed", "tied", "relu")
+BLOCK_KINDS = ("mlp", "attn", "mixed", "tied", "relu", "transposed")
 #: How a region is checkpointed. ``reentrant`` only at the top level (torch's own limits).
 WRAPS = ("none", "plain", "reentrant", "sac", "ss_sac", "wrapper_sac")
 SAC_WRAPS = ("sac", "ss_sac", "wrapper_sac")
@@ -207,6 +208,19 @@ class Tied(nn.Module):
         return x + self.fc(torch.relu(self.fc(x)) * 0.5)
 
 
+class Transposed(nn.Module):
+    """A weight stored ``(in, out)`` (transformers' ``Conv1D``), cast by ``ss.nn.linear(weight_transposed=True)``."""
+
+    def __init__(self, manager: ss.ScalingStateManager, name: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(DIM, DIM) / math.sqrt(DIM))
+        self.bias = nn.Parameter(torch.zeros(DIM))
+        self.handle = manager.register(f"{name}.conv1d")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.tanh(ss.nn.linear(x, self.weight, self.bias, self.handle, weight_transposed=True))
+
+
 def _relu(manager: ss.ScalingStateManager, name: str) -> nn.Module:
     """Two bias-free FP8 layers with ReLUs and nothing else: the casts are the only norms and divisions."""
     return nn.Sequential(
@@ -238,6 +252,8 @@ def _block(kind: str, manager: ss.ScalingStateManager, name: str) -> nn.Module:
         return _attention(manager, name)
     if kind == "relu":
         return _relu(manager, name)
+    if kind == "transposed":
+        return Transposed(manager, name)
     raise ValueError(kind)
 
 
@@ -270,9 +286,9 @@ def wrap(module: nn.Module, region: Region) -> nn.Module:
     raise ValueError(kind)
 
 
-def fp8_layers(model: nn.Module) -> list[ss.nn.Linear]:
+def fp8_layers(model: nn.Module) -> list[ss.nn.Linear | Transposed]:
     """The model's FP8 layers, in construction order (what events name by index)."""
-    return [m for m in model.modules() if isinstance(m, ss.nn.Linear)]
+    return [m for m in model.modules() if isinstance(m, (ss.nn.Linear, Transposed))]
 
 
 def build(program: Program, manager: ss.ScalingStateManager) -> nn.Module:
@@ -347,7 +363,7 @@ def _do(
     manager: ss.ScalingStateManager,
     model: nn.Module,
     evaluated: nn.Module,
-    layers: list[ss.nn.Linear],
+    layers: list[ss.nn.Linear | Transposed],
     probe: Tensor,
 ) -> None:
     if event.what == "eval":

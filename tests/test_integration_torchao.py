@@ -9,12 +9,13 @@ after every step. Comparisons are ``torch.equal`` unless a test says otherwise.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import pytest
@@ -28,6 +29,7 @@ from torchao.float8.config import CastConfig, ScalingGranularity, ScalingType
 from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
 import scalestate as ss
+from sac_programs import Policy
 from scalestate.errors import ScaleStateError, SlotError
 from scalestate.integrations.torchao import (
     ConversionError,
@@ -335,6 +337,69 @@ class TestCheckpointing:
         assert_same_state(ckpt, plain)
         assert plain.states[-1]["iteration"] == STEPS
         assert (plain.states[-1]["amax_history"] > 0).all()  # every slot of every role recorded
+
+
+class _SelectiveMLP(MLP):
+    """``MLP`` whose body is checkpointed selectively with ``policy``."""
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(tcp.checkpoint(self.body, x, use_reentrant=False, context_fn=self.policy.context_fn()))
+
+
+class TestSelectiveCheckpointing:
+    """Selective activation checkpointing with any policy, and an evaluation between forward and backward."""
+
+    POLICIES: ClassVar[dict[str, Policy]] = {
+        "all": Policy(),
+        "none": Policy(frozenset()),
+        "casts_ops": Policy(frozenset({"aten.mul.Tensor", "aten._to_copy.default", "aten.mm.default"})),
+        "every_other": Policy(every=2),
+    }
+
+    @staticmethod
+    def _run(model: nn.Module, manager: ss.ScalingStateManager, evaluate: bool) -> Record:
+        ema = copy.deepcopy(model, memo={id(manager): manager})  # an evaluation copy sharing the manager
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        rec = Record()
+        for step_inputs in batches():
+            for x in step_inputs:
+                with manager.forward():
+                    loss = model(x).square().mean()
+                if evaluate:
+                    with torch.no_grad():
+                        ema(x * 50)
+                with manager.backward():
+                    loss.backward()
+                rec.losses.append(loss.detach())
+            rec.grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            manager.step()
+            rec.states.append(manager.state_dict())
+            rec.params.append({k: p.detach().clone() for k, p in model.named_parameters()})
+        return rec
+
+    @pytest.mark.parametrize("evaluate", [False, True], ids=["", "eval_between"])
+    @pytest.mark.parametrize("policy", sorted(POLICIES))
+    def test_bitwise_without_checkpointing(self, policy, evaluate):
+        """Losses, gradients, parameters and the manager's state after every step, bitwise."""
+
+        def run(make: Callable[[], nn.Module], evaluate: bool) -> Record:
+            manager = ss.ScalingStateManager(DELAYED, backend="emulation")
+            return self._run(convert_to_float8_training(make(), manager, config=CONFIG), manager, evaluate)
+
+        plain = run(MLP, False)
+        got = run(lambda: _SelectiveMLP(self.POLICIES[policy]), evaluate)
+        assert_tensors_equal(got.losses, plain.losses, "losses of microbatch")
+        for field in ("grads", "params"):
+            for step, (da, db) in enumerate(zip(getattr(got, field), getattr(plain, field), strict=True)):
+                for key in db:
+                    assert torch.equal(da[key], db[key]), f"{field} {key} differ at step {step}"
+        assert_same_state(got, plain)
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
