@@ -57,7 +57,7 @@ class CastError(ScaleStateError, ValueError):
 
 
 class RecomputeMismatchError(ScaleStateError, RuntimeError):
-    """A recomputed region observed other amax values than its forward did."""
+    """A recompute cast observed an amax that no recorded forward cast of its slot observed in the step."""
 
 
 class SlotMismatchError(SlotError):

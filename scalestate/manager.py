@@ -50,8 +50,11 @@ class ScalingStateManager:
             (and the choice of ``"auto"``) is settled for ``device`` if given,
             else at the first cast, on that tensor's device.
         device: where the state lives; by default the device of the first tensor cast.
-        debug: check that every recompute reproduces the amaxes of its forward
-            (raises :class:`~scalestate.errors.RecomputeMismatchError`); eager code only.
+        debug: check that every recompute of a forward cast observes an amax that
+            a recorded forward cast of the same slot observed in the same step,
+            any number of times (nested regions, selective checkpointing); raises
+            :class:`~scalestate.errors.RecomputeMismatchError` otherwise (see
+            :mod:`scalestate.debug` for exactly what is checked); eager code only.
         group: the ranks whose step amaxes are max-reduced at every :meth:`step`
             (one ``all_reduce``), so that they all hold identical scales: a
             ``ProcessGroup``, a 1-D ``DeviceMesh`` or a ``(DeviceMesh, dim)``

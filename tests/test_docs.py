@@ -10,6 +10,7 @@ import torch
 
 import scalestate as ss
 from helpers import assert_bitwise, train
+from scalestate import sac
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -273,7 +274,7 @@ class TestDocstringExamples:
         "obj",
         [ss, ss.ScalingStateManager, ss.ScalingHandle, ss.Quantized, ss.DelayedScaling, ss.CurrentScaling,
          ss.RowwiseScaling, ss.BlockScaling, ss.MXFP8Scaling,
-         ss.nn.Linear, ss.nn.convert, ss.checkpoint, ss.backends.available_backends],
+         ss.nn.Linear, ss.nn.convert, ss.checkpoint, ss.backends.available_backends, sac.hidden_from_sac],
         ids=lambda o: getattr(o, "__name__", str(o)),
     )
     def test_doctest(self, obj):
