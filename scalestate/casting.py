@@ -5,6 +5,11 @@ tensor version and scale epoch); debug mode keeps every forward amax for its
 recompute check. Compiled code takes the plain path: the cache is bypassed
 and the classification is made at trace time.
 
+Every eager cast runs out of sight of selective activation checkpointing
+(:func:`scalestate.sac.hidden_from_sac`): whether and how it runs depends on
+the cache, the phase and debug mode, so SAC must neither number nor keep its
+operations.
+
 With ``collect_stats``, every recorded cast also adds what it did to its
 elements (:func:`scalestate.diagnostics.cast_counts`) to the slot's counters,
 on the device; recompute and evaluation casts count nothing, as they record
