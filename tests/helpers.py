@@ -19,6 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import scalestate as ss
 from scalestate.backends import Backend
@@ -90,7 +91,7 @@ def checkpointer(mechanism: str, manager: ss.ScalingStateManager | None = None) 
     if mechanism == "wrapper_reentrant":
         return lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.REENTRANT)
     call = calls[mechanism]
-    return lambda m: _Checkpointed(m, call)
+    return lambda m: Checkpointed(m, call)
 
 
 MECHANISMS = (
@@ -98,7 +99,9 @@ MECHANISMS = (
 )
 
 
-class _Checkpointed(nn.Module):
+class Checkpointed(nn.Module):
+    """``call(inner, x)``: ``inner`` run through a checkpoint function."""
+
     def __init__(self, inner: nn.Module, call: Callable[..., Tensor]) -> None:
         super().__init__()
         self.inner, self.call = inner, call
@@ -143,6 +146,18 @@ class Model(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.body(x)
+
+
+class OpLog(TorchDispatchMode):
+    """The names of the tensor ops dispatched while it is active (``str`` of each overload), in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 @attrs.define

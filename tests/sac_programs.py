@@ -31,10 +31,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import scalestate as ss
-from helpers import backend_for
+from helpers import Checkpointed, OpLog, backend_for
 from scalestate.demo.model import Block
 
 DIM = 32
@@ -241,29 +240,11 @@ def _attention(manager: ss.ScalingStateManager, name: str) -> nn.Module:
     return block
 
 
-def _block(kind: str, manager: ss.ScalingStateManager, name: str) -> nn.Module:
-    if kind == "mlp":
-        return MLP(manager, name)
-    if kind == "mixed":
-        return Mixed(manager, name)
-    if kind == "tied":
-        return Tied(manager, name)
-    if kind == "attn":
-        return _attention(manager, name)
-    if kind == "relu":
-        return _relu(manager, name)
-    if kind == "transposed":
-        return Transposed(manager, name)
-    raise ValueError(kind)
-
-
-class _Region(nn.Module):
-    def __init__(self, inner: nn.Module, call: Callable[..., Tensor]) -> None:
-        super().__init__()
-        self.inner, self.call = inner, call
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.call(self.inner, x)
+#: Block kind -> its constructor ``(manager, name) -> module``.
+_BLOCKS: dict[str, Callable[[ss.ScalingStateManager, str], nn.Module]] = {
+    "mlp": MLP, "mixed": Mixed, "tied": Tied, "transposed": Transposed, "attn": _attention, "relu": _relu,
+}
+assert set(_BLOCKS) == set(BLOCK_KINDS)
 
 
 def wrap(module: nn.Module, region: Region) -> nn.Module:
@@ -272,15 +253,15 @@ def wrap(module: nn.Module, region: Region) -> nn.Module:
     if kind == "none":
         return module
     if kind == "plain":
-        return _Region(module, functools.partial(tcp.checkpoint, use_reentrant=False))
+        return Checkpointed(module, functools.partial(tcp.checkpoint, use_reentrant=False))
     if kind == "reentrant":
-        return _Region(module, functools.partial(tcp.checkpoint, use_reentrant=True))
+        return Checkpointed(module, functools.partial(tcp.checkpoint, use_reentrant=True))
     assert region.policy is not None
     context_fn = region.policy.context_fn()
     if kind == "sac":
-        return _Region(module, functools.partial(tcp.checkpoint, use_reentrant=False, context_fn=context_fn))
+        return Checkpointed(module, functools.partial(tcp.checkpoint, use_reentrant=False, context_fn=context_fn))
     if kind == "ss_sac":
-        return _Region(module, functools.partial(ss.checkpoint, context_fn=context_fn))
+        return Checkpointed(module, functools.partial(ss.checkpoint, context_fn=context_fn))
     if kind == "wrapper_sac":
         return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=context_fn)
     raise ValueError(kind)
@@ -293,7 +274,7 @@ def fp8_layers(model: nn.Module) -> list[ss.nn.Linear | Transposed]:
 
 def build(program: Program, manager: ss.ScalingStateManager) -> nn.Module:
     torch.manual_seed(program.seed)
-    blocks = [wrap(_block(kind, manager, f"b{i}"), region) for i, (kind, region) in enumerate(program.blocks)]
+    blocks = [wrap(_BLOCKS[kind](manager, f"b{i}"), region) for i, (kind, region) in enumerate(program.blocks)]
     return wrap(nn.Sequential(*blocks), program.outer)
 
 
@@ -437,16 +418,6 @@ def differences(a: Trace, b: Trace) -> list[str]:
 
 
 # ------------------------------------------------------------------ the ops a forward dispatches
-class _OpLog(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops.add(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @functools.cache
 def forward_ops() -> tuple[str, ...]:
     """Every op a training forward of any block dispatches, under any recipe and backend, casts included.
@@ -463,10 +434,9 @@ def forward_ops() -> tuple[str, ...]:
             model = build(program, manager)
             for _ in range(2):  # before and after the first step: just in time, then delayed
                 x = inputs(program)[0][0].requires_grad_()
-                log = _OpLog()
-                with log:
+                with OpLog() as log:
                     y = model(x)
-                ops |= log.ops
+                ops |= set(log.ops)
                 y.sum().backward()
                 manager.step()
     ops.discard("aten.detach.default")  # selective checkpointing ignores it

@@ -10,7 +10,7 @@ import torch.utils.checkpoint as tcp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import scalestate as ss
-from helpers import backend_for
+from helpers import OpLog, backend_for
 from scalestate.errors import PhaseError, ScaleStateError, SlotError
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
@@ -199,16 +199,6 @@ class TestPhases:
         assert delayed.iteration == 0
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _step_ops(slots: int, recipe: ss.Recipe, **kwargs) -> list[str]:
     """The tensor ops of one step() after one recorded cast of each of ``slots`` slots."""
     m = ss.ScalingStateManager(recipe, **kwargs)
@@ -216,7 +206,7 @@ def _step_ops(slots: int, recipe: ss.Recipe, **kwargs) -> list[str]:
     with m.forward():
         for h in handles:
             h.quantize(torch.randn(8), I)
-    with _OpCounter() as counter:
+    with OpLog() as counter:
         m.step()
     return counter.ops
 

@@ -15,9 +15,9 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.utils.checkpoint as tcp
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import scalestate as ss
+from helpers import OpLog
 from sac_programs import BACKENDS, RECIPES, Event, Policy, Program, Region, differences, run
 from scalestate.sac import hidden_from_sac, sac_active
 
@@ -96,16 +96,6 @@ class TestCastsChangedBetweenForwardAndBackward:
         _assert_like_plain(_program(recipe, backend, policy, kind="tied", events=[self.EVENTS[event]]))
 
 
-class _OpLog(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _sac(fn, x, policy):
     ctx = functools.partial(tcp.create_selective_checkpoint_contexts, policy)
     return tcp.checkpoint(fn, x, use_reentrant=False, context_fn=ctx)
@@ -134,7 +124,7 @@ class TestHiddenFromSac:
         """A mode outside the region (a FLOP counter, a profiler) sees the casts' operations."""
         m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
         layer = ss.nn.Linear(16, 16, bias=False, manager=m)
-        log = _OpLog()
+        log = OpLog()
         with log:
             _sac(layer, torch.randn(4, 16, requires_grad=True), [aten.mm.default])
         assert "aten.linalg_vector_norm.default" in log.ops and "aten.maximum.out" in log.ops
@@ -146,7 +136,7 @@ class TestHiddenFromSac:
 
         def backward_mms(policy):
             y = _sac(layer, torch.randn(4, 16, requires_grad=True), policy)
-            log = _OpLog()
+            log = OpLog()
             with log:
                 y.sum().backward()
             return log.ops.count("aten.mm.default")
@@ -159,7 +149,7 @@ class TestHiddenFromSac:
         """A user's mode pushed inside the region keeps seeing the casts, and stays on top afterwards."""
         m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
         layer = ss.nn.Linear(16, 16, bias=False, manager=m)
-        inner = _OpLog()
+        inner = OpLog()
         stacks = []
 
         def region(x):

@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import scalestate as ss
+from helpers import OpLog
 from scalestate.errors import SlotError
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
-
-
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _ptrs(manager):
@@ -44,10 +34,10 @@ class TestGrowth:
             m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
             for i in range(existing):
                 m.register(f"old{i}", roles=(I,))
-            with _OpCounter() as counter:
+            with OpLog() as counter:
                 for i in range(300):
                     m.register(f"new{i}", roles=(I,))
-            counts.append(counter.count)
+            counts.append(len(counter.ops))
         assert abs(counts[0] - counts[1]) <= 24  # one doubling: five buffers allocated and copied
         assert max(counts) <= 300 * 3 + 24
 
