@@ -8,7 +8,9 @@ weight cast) and re-gathers before each block's recompute; an evaluation pass
 between a forward and its backward gathers and reshards once more. Every run
 must equal the same sharded training without checkpointing, bitwise, on every
 rank: the loss of every microbatch, the scaling state after every step and the
-final parameters. One spawn runs every case.
+final parameters. The emulation backend runs every case; the scaled_mm backend
+(whose products take the gathered FP8 weight's transposed copy) a few. One
+spawn runs every case.
 """
 
 from __future__ import annotations
@@ -52,11 +54,15 @@ class _Block(nn.Module):
         return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
-def _run(rank: int, fp8: bool, policy: Policy | None, evaluate: bool) -> dict[str, Any]:
+#: Cases also run with the scaled_mm backend, whose products take the gathered FP8 weight's transposed copy.
+SCALED_MM = ("plain", "all_saved", "all_saved_eval_between")
+
+
+def _run(rank: int, fp8: bool, policy: Policy | None, evaluate: bool, backend: str = "emulation") -> dict[str, Any]:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
 
-    manager = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+    manager = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend=backend)
     torch.manual_seed(0)
     model = ss.nn.convert(nn.Sequential(_Block(), _Block()), manager, fp8_all_gather=fp8)
     for i, block in enumerate(model):
@@ -94,7 +100,17 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     for fp8 in (False, True):
         for name, (policy, evaluate) in CASES.items():
             out[(fp8, name)] = _run(rank, fp8, policy, evaluate)
+        for name in SCALED_MM:
+            out[(fp8, f"scaled_mm_{name}")] = _run(rank, fp8, *CASES[name], backend="scaled_mm")
     return out
+
+
+def _assert_same(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert torch.equal(got["losses"], ref["losses"])
+    for (h, s), (rh, rs) in zip(got["states"], ref["states"], strict=True):
+        assert torch.equal(h, rh) and torch.equal(s, rs)
+    for p, rp in zip(got["params"], ref["params"], strict=True):
+        assert torch.equal(p, rp)
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +124,14 @@ class TestFSDP2WithSelectiveCheckpointing:
     def test_bitwise_the_run_without_checkpointing(self, ranks, fp8, case):
         """Losses, scaling state after every step and final parameters: bitwise, on both ranks."""
         for r in ranks:
-            got, ref = r[(fp8, case)], r[(fp8, "plain")]
-            assert torch.equal(got["losses"], ref["losses"])
-            for (h, s), (rh, rs) in zip(got["states"], ref["states"], strict=True):
-                assert torch.equal(h, rh) and torch.equal(s, rs)
-            for p, rp in zip(got["params"], ref["params"], strict=True):
-                assert torch.equal(p, rp)
+            _assert_same(r[(fp8, case)], r[(fp8, "plain")])
+
+    @pytest.mark.parametrize("fp8", [False, True], ids=["fp32_gather", "fp8_gather"])
+    @pytest.mark.parametrize("case", [c for c in SCALED_MM if c != "plain"])
+    def test_scaled_mm_backend(self, ranks, fp8, case):
+        """The scaled_mm backend (torch's kernel; the FP8 gathered weight's transposed copy): bitwise."""
+        for r in ranks:
+            _assert_same(r[(fp8, f"scaled_mm_{case}")], r[(fp8, "scaled_mm_plain")])
 
     def test_scales_moved_and_ranks_agree(self, ranks):
         """The runs did train: delayed scales left 1 and both ranks hold the same state."""

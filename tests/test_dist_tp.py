@@ -33,6 +33,7 @@ from dist_harness import run_ranks
 from torch import Tensor, nn
 
 import scalestate as ss
+from sac_programs import Policy
 
 RECIPES = {"delayed": ss.DelayedScaling(history_len=4), "current": ss.CurrentScaling()}
 STEPS = 5
@@ -41,7 +42,8 @@ LR = 0.005
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-6
 
-#: (name, recipe, backend, bias, manager group, checkpointed) of each colwise/rowwise training run.
+#: (name, recipe, backend, bias, manager group, checkpointed: False, True or a selective policy) of each
+#: colwise/rowwise training run.
 RUNS = [
     ("delayed-bias", "delayed", "emulation", True, "world", False),
     ("delayed-nobias", "delayed", "emulation", False, "world", False),
@@ -51,7 +53,14 @@ RUNS = [
     ("delayed-unreduced", "delayed", "emulation", True, None, False),
     ("current-unreduced", "current", "emulation", False, None, False),
     ("delayed-checkpoint", "delayed", "emulation", True, "world", True),
+    ("delayed-sac-all", "delayed", "emulation", True, "world", Policy()),
+    ("delayed-sac-casts", "delayed", "emulation", True, "world",
+     Policy(frozenset({"aten.linalg_vector_norm.default", "aten.mm.default", "aten.mul.Tensor"}))),
+    ("delayed-sac-all-scaled_mm", "delayed", "scaled_mm", True, "world", Policy()),
 ]
+#: The runs that checkpoint, and the run without checkpointing each must equal.
+CHECKPOINTED = {"delayed-checkpoint": "delayed-bias", "delayed-sac-all": "delayed-bias",
+                "delayed-sac-casts": "delayed-bias", "delayed-sac-all-scaled_mm": "delayed-scaled_mm"}
 
 
 # ------------------------------------------------------------------ what each rank runs
@@ -80,12 +89,15 @@ def _train(
     data: list[tuple[Tensor, Tensor]],
     *,
     shard: Any = None,
-    checkpoint: bool = False,
+    checkpoint: bool | Policy = False,
 ) -> dict[str, Any]:
     """STEPS optimizer steps of two microbatches each: the losses, the input gradients, and
     the scales after every step."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    forward = functools.partial(tcp.checkpoint, model, use_reentrant=False) if checkpoint else model
+    if isinstance(checkpoint, Policy):  # selective: the shard casts' amax reductions run inside the region
+        forward = functools.partial(tcp.checkpoint, model, use_reentrant=False, context_fn=checkpoint.context_fn())
+    else:
+        forward = functools.partial(tcp.checkpoint, model, use_reentrant=False) if checkpoint else model
     losses, grads, scales = [], [], []
     for x, c in data:
         for xm, cm in zip(x.split(x.shape[0] // 2), c.split(c.shape[0] // 2), strict=True):
@@ -312,10 +324,12 @@ class TestLogicalAmax:
 
 
 class TestCheckpointed:
-    def test_recompute_parity(self, ranks):
-        """Checkpointing the TP model changes nothing: state, losses and weights bitwise."""
+    @pytest.mark.parametrize("name", sorted(CHECKPOINTED))
+    def test_recompute_parity(self, ranks, name):
+        """Checkpointing the TP model, plainly or selectively (every op, or the casts' own ops, saved),
+        changes nothing: state, losses and weights bitwise."""
         for rank in ranks:
-            plain, ckpt = rank["delayed-bias"], rank["delayed-checkpoint"]
+            plain, ckpt = rank[CHECKPOINTED[name]], rank[name]
             assert torch.equal(plain["tp"]["losses"], ckpt["tp"]["losses"])
             for key, (history, scale) in plain["tp_state"].items():
                 assert torch.equal(history, ckpt["tp_state"][key][0]) and torch.equal(scale, ckpt["tp_state"][key][1])
