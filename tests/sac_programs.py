@@ -147,14 +147,17 @@ class Program:
     debug: bool = False
     events: tuple[Event, ...] = ()
     seed: int = 0
+    #: ``torch.compile`` backend the model runs under (``fullgraph=True``), or ``None``: eager.
+    compiler: str | None = None
 
     def plain(self) -> Program:
-        """The same training without checkpointing, evaluations or dropped casts."""
+        """The same training without checkpointing, evaluations or dropped casts, eager."""
         return attrs.evolve(
             self,
             blocks=tuple((kind, Region()) for kind, _ in self.blocks),
             outer=Region(),
             debug=False,
+            compiler=None,
             events=tuple(e for e in self.events if e.kept_in_plain),
         )
 
@@ -304,6 +307,7 @@ def run(program: Program) -> Trace:
     manager = ss.ScalingStateManager(recipe, backend=backend_for(recipe, program.backend), debug=program.debug)
     model = build(program, manager)
     evaluated = copy.deepcopy(model, memo={id(manager): manager})  # an EMA-style copy sharing the manager
+    forward = model if program.compiler is None else torch.compile(model, backend=program.compiler, fullgraph=True)
     layers = fp8_layers(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     probe = torch.randn(2, 4, DIM, generator=torch.Generator().manual_seed(7)) * 50  # amaxes no training cast sees
@@ -322,7 +326,7 @@ def run(program: Program) -> Trace:
         for mb, x in enumerate(xs):
             do((step, mb, "before"))
             with manager.forward() if phases else contextlib.nullcontext():
-                loss = model(x).float().square().mean() / program.microbatches
+                loss = forward(x).float().square().mean() / program.microbatches
             do((step, mb, "between"))
             with manager.backward() if phases else contextlib.nullcontext():
                 loss.backward()
