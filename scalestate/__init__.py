@@ -23,7 +23,6 @@ from scalestate import (
     nn,  # nn builds on the manager above
 )
 from scalestate.atomic import atomic_save
-from scalestate.checkpoint import checkpoint
 from scalestate.diagnostics import RiskFlag, ScalingStats, SlotStats
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
@@ -40,6 +39,7 @@ from scalestate.recipe import (
     Role,
     RowwiseScaling,
 )
+from scalestate.recompute import checkpoint
 from scalestate.report import stats_from_state_dict
 
 __version__ = "0.2.0"

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-    from scalestate.state import State
+    from scalestate._engine.state import State
 
 __all__ = [
     "DEFAULT_GROUP",

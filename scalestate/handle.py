@@ -11,8 +11,8 @@ from scalestate.quantized import Quantized
 from scalestate.recipe import Role
 
 if TYPE_CHECKING:
+    from scalestate._engine.state import Slot
     from scalestate.manager import ScalingStateManager
-    from scalestate.state import Slot
 
 __all__ = ["ScalingHandle"]
 

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from scalestate._engine.binding import BackendBinding, canonical_device
+from scalestate._engine.casting import Caster
+from scalestate._engine.state import Slot, State
+from scalestate._engine.stepping import run_step
 from scalestate.backends import Backend, CastSpec
-from scalestate.binding import BackendBinding, canonical_device
-from scalestate.casting import Caster
 from scalestate.diagnostics import ScalingStats, build_stats
 from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
 from scalestate.errors import PhaseError, ScaleStateError, SlotError
@@ -22,8 +24,6 @@ from scalestate.persist import recipe_to_dict, to_state_dict, validate
 from scalestate.phase import Phase
 from scalestate.quantized import Quantized
 from scalestate.recipe import RECIPES, Recipe, Role, fp8_max
-from scalestate.state import Slot, State
-from scalestate.stepping import run_step
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -54,7 +54,7 @@ class ScalingStateManager:
             a recorded forward cast of the same slot observed in the same step,
             any number of times (nested regions, selective checkpointing); raises
             :class:`~scalestate.errors.RecomputeMismatchError` otherwise (see
-            :mod:`scalestate.debug` for exactly what is checked); eager code only.
+            the debug-mode section of the checkpointing guide for exactly what is checked); eager code only.
         group: the ranks whose step amaxes are max-reduced at every :meth:`step`
             (one ``all_reduce``), so that they all hold identical scales: a
             ``ProcessGroup``, a 1-D ``DeviceMesh`` or a ``(DeviceMesh, dim)``
@@ -395,7 +395,7 @@ class ScalingStateManager:
 
     # ----------------------------------------------------------------- casts
     def _cast(self, slot: Slot, x: Tensor, transpose: bool) -> Quantized:
-        """A handle's cast (see ScalingHandle.quantize and :mod:`scalestate.casting`)."""
+        """A handle's cast (see ScalingHandle.quantize and `scalestate._engine.casting`)."""
         return self._caster.cast(slot, x, transpose)
 
     def _scale_of(self, slot: Slot) -> Tensor:

@@ -20,7 +20,7 @@ from scalestate.errors import NonFiniteAmaxError
 from scalestate.math import nonfinite_mask
 
 if TYPE_CHECKING:
-    from scalestate.state import State
+    from scalestate._engine.state import State
 
 __all__ = ["NONFINITE_POLICIES", "NonFinitePolicy", "refuse_nonfinite"]
 

@@ -69,10 +69,10 @@ import attrs
 import torch
 from torch import Tensor
 
+from scalestate._engine.state import State
 from scalestate.errors import RecipeError, StateDictError
 from scalestate.math import FLOAT32_TINY
 from scalestate.recipe import RECIPES, Format, Recipe, Role
-from scalestate.state import State
 
 __all__ = [
     "FORMAT_VERSION",

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import scalestate
 
 
@@ -48,7 +50,7 @@ class TestLayout:
         assert result.stdout.strip() == "False", result.stderr
         import torch
 
-        from scalestate.binding import settle_during_trace
+        from scalestate._engine.binding import settle_during_trace
 
         def probe() -> int:
             return 1
@@ -56,6 +58,19 @@ class TestLayout:
         marked = torch.compiler.assume_constant_result(probe)
         assert [k for k in vars(marked) if k.startswith("_dynamo")] == ["_dynamo_marked_constant"]
         assert vars(settle_during_trace)["_dynamo_marked_constant"] is True
+
+    def test_every_package_is_installed(self):
+        """Every folder of the package that holds an ``__init__.py`` is in pyproject's package list,
+        so a wheel (not only an editable install) carries it."""
+        tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+        root = Path(__file__).resolve().parent.parent
+        config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+        found = set()
+        for top, name in (("scalestate", "scalestate"), ("backends", "scalestate.backends")):
+            for init in (root / top).rglob("__init__.py"):
+                parts = init.parent.relative_to(root / top).parts
+                found.add(".".join((name, *parts)))
+        assert found == set(config["packages"])
 
     def test_py_typed(self):
         """The package ships its type information marker."""

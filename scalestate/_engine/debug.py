@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from scalestate.errors import RecomputeMismatchError
 
 if TYPE_CHECKING:
-    from scalestate.state import Slot
+    from scalestate._engine.state import Slot
 
 __all__ = ["RecomputeChecker"]
 

@@ -22,15 +22,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from scalestate._engine.binding import BackendBinding, settle_during_trace
+from scalestate._engine.state import Slot, State
 from scalestate.backends import CastRequest
-from scalestate.binding import BackendBinding, settle_during_trace
 from scalestate.diagnostics import cast_counts
 from scalestate.errors import CastError, PhaseError
 from scalestate.phase import CastKind, classify, in_training_function_forward, read_signals
 from scalestate.quantized import Quantized
 from scalestate.recipe import Direction, Role
 from scalestate.sac import hidden_from_sac
-from scalestate.state import Slot, State
 
 __all__ = ["Caster"]
 

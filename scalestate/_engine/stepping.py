@@ -16,9 +16,9 @@ from scalestate.math import ScaleRule
 from scalestate.nonfinite import NonFinitePolicy, refuse_nonfinite
 
 if TYPE_CHECKING:
+    from scalestate._engine.state import State
     from scalestate.backends import Backend
     from scalestate.distributed import Reduction
-    from scalestate.state import State
 
 __all__ = ["check_forward_recorded", "run_step"]
 

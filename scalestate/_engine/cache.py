@@ -12,7 +12,7 @@ from torch import Tensor
 from scalestate.quantized import Quantized
 
 if TYPE_CHECKING:
-    from scalestate.state import Slot
+    from scalestate._engine.state import Slot
 
 __all__ = ["CachedCast", "WeightCastCache"]
 

@@ -6,9 +6,9 @@ import attrs
 import torch
 from torch import Tensor
 
+from scalestate._engine.cache import WeightCastCache
+from scalestate._engine.debug import RecomputeChecker
 from scalestate.backends.base import CastSpec, StepUpdate
-from scalestate.cache import WeightCastCache
-from scalestate.debug import RecomputeChecker
 from scalestate.errors import SlotError
 from scalestate.math import ScaleRule
 from scalestate.phase import PhaseStack

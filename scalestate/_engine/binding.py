@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from scalestate._engine.state import State
 from scalestate.backends import Backend, check_backend, get_backend, resolve_backend, validate_backend
 from scalestate.errors import BackendUnavailableError, ScaleStateError
 from scalestate.recipe import Recipe
-from scalestate.state import State
 
 __all__ = ["BackendBinding", "canonical_device", "settle_during_trace"]
 

@@ -1,0 +1,25 @@
+"""The manager's engine: private, used by :class:`scalestate.ScalingStateManager` only.
+
+Nothing here is public API; names and behaviour may change in any release.
+What each module holds, so that a reader of the manager can find it:
+
+``state``
+    :class:`~scalestate._engine.state.State`, the one mutable object behind a
+    manager: the slot buffers (scales, amax histories, accumulators), which
+    grow by capacity doubling and never move after the first step, and the
+    step bookkeeping (iteration, scale epoch, phase stack).
+``casting``
+    The cast path: classify each cast (record, recompute, evaluation), pick
+    its scale and record target, call the backend inside
+    :func:`scalestate.sac.hidden_from_sac`.
+``cache``
+    The weight-cast cache: one cast per (weight, version, scale epoch).
+``binding``
+    Which backend a manager uses, on which device; settled once, then fixed.
+``stepping``
+    The end of a step: checks, the one cross-rank reduction, the non-finite
+    policy, the backend's fused update.
+``debug``
+    Debug mode's recompute check (every recompute must reproduce an amax its
+    forward observed).
+"""
