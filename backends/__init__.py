@@ -45,7 +45,7 @@ from scalestate.backends.base import (
     granularity_label,
     recipe_granularities,
 )
-from scalestate.errors import BackendUnavailableError, ScaleStateError, UnknownBackendError
+from scalestate.errors import ArgumentTypeError, ArgumentValueError, BackendUnavailableError, UnknownBackendError
 from scalestate.recipe import Recipe
 
 __all__ = [
@@ -99,16 +99,17 @@ def register_backend(name: str, factory: BackendFactory, *, replace: bool = Fals
         replace: allow replacing an existing registration of ``name``.
 
     Raises:
-        ScaleStateError: the name is taken (and ``replace`` is false) or malformed.
+        ArgumentValueError: the name is taken (and ``replace`` is false) or malformed.
+        ArgumentTypeError: ``factory`` is not callable.
     """
     if not isinstance(name, str) or not _NAME.match(name) or name == "auto":
-        raise ScaleStateError(
+        raise ArgumentValueError(
             f"backend name must match {_NAME.pattern} and not be 'auto'; got {name!r}"
         )
     if not callable(factory):
-        raise ScaleStateError(f"factory for backend {name!r} must be callable; got {factory!r}")
+        raise ArgumentTypeError(f"factory for backend {name!r} must be callable; got {factory!r}")
     if name in _registry and not replace:
-        raise ScaleStateError(
+        raise ArgumentValueError(
             f"a backend named {name!r} is already registered; "
             "pass replace=True to replace it, or choose another name"
         )
@@ -149,7 +150,7 @@ def get_backend(name: str) -> Backend:
 
 
 def validate_backend(backend: object, registered_as: str | None = None) -> Backend:
-    """``backend`` if it has every member of :class:`Backend`, else a :class:`ScaleStateError`."""
+    """``backend`` if it has every member of :class:`Backend`, else an :class:`~scalestate.errors.ArgumentTypeError`."""
     label = f"backend {registered_as!r} ({type(backend).__qualname__})" if registered_as else (
         f"backend {type(backend).__qualname__}"
     )
@@ -160,11 +161,11 @@ def validate_backend(backend: object, registered_as: str | None = None) -> Backe
                 if member == "cast" and callable(getattr(backend, "quantize", None))
                 else ""
             )
-            raise ScaleStateError(
+            raise ArgumentTypeError(
                 f"{label} has no method {member}(){hint}; see scalestate.backends.Backend for the interface"
             )
     if not isinstance(getattr(backend, "name", None), str):
-        raise ScaleStateError(f"{label} has no string attribute 'name'")
+        raise ArgumentTypeError(f"{label} has no string attribute 'name'")
     return backend  # type: ignore[return-value]  # checked member by member above
 
 

@@ -62,7 +62,7 @@ from torch import Tensor
 
 from scalestate.backends.base import granularity_label, recipe_granularities
 from scalestate.backends.emulation import EmulationBackend
-from scalestate.errors import BackendUnavailableError
+from scalestate.errors import ArgumentTypeError, ArgumentValueError, BackendUnavailableError
 from scalestate.finegrained import Granularity
 from scalestate.quantized import Quantized
 from scalestate.recipe import Recipe, Role
@@ -118,9 +118,9 @@ class ScaledMMBackend(EmulationBackend):
     def __init__(self, fallback: Literal["emulation"] | None = None) -> None:
         super().__init__()
         if fallback is not None and not isinstance(fallback, str):
-            raise TypeError(f"fallback must be None or the string 'emulation'; got {type(fallback).__name__}")
+            raise ArgumentTypeError(f"fallback must be None or the string 'emulation'; got {type(fallback).__name__}")
         if fallback not in (None, "emulation"):
-            raise ValueError(f"fallback must be None or 'emulation'; got {fallback!r}")
+            raise ArgumentValueError(f"fallback must be None or 'emulation'; got {fallback!r}")
         self._fallback: Literal["emulation"] | None = fallback
         self._cpu_probe: tuple[bool, str] | None = None
         # Facts of the build and the devices, asked once, eagerly: torch.compile cannot trace the queries.

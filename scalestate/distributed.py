@@ -46,7 +46,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from scalestate.errors import ReductionError, ScaleStateError, SlotMismatchError
+from scalestate.errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    ReductionError,
+    ScaleStateError,
+    SlotMismatchError,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -108,14 +114,14 @@ def resolve_group(spec: Any) -> ProcessGroup | None:
     if spec is DEFAULT_GROUP:
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     if not dist.is_available():
-        raise ScaleStateError("group= needs torch.distributed, which this build of torch lacks; pass group=None")
+        raise ArgumentValueError("group= needs torch.distributed, which this build of torch lacks; pass group=None")
     if isinstance(spec, dist.ProcessGroup):
         return spec
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(spec, DeviceMesh):
         if spec.ndim != 1:
-            raise ScaleStateError(
+            raise ArgumentValueError(
                 f"group= takes a 1-D DeviceMesh; got one with {spec.ndim} dimensions "
                 f"{spec.mesh_dim_names or ''}: pass the data-parallel dimension, e.g. mesh['dp'] or (mesh, 'dp')"
             )
@@ -132,10 +138,10 @@ def resolve_group(spec: Any) -> ProcessGroup | None:
             group: ProcessGroup = mesh.get_group(dim)
             return group
         except (KeyError, ValueError, IndexError, RuntimeError) as e:
-            raise ScaleStateError(
+            raise ArgumentValueError(
                 f"group=(mesh, {dim!r}): the mesh has dimensions {mesh.mesh_dim_names or tuple(range(mesh.ndim))}; {e}"
             ) from None
-    raise ScaleStateError(
+    raise ArgumentTypeError(
         "group= takes a torch.distributed ProcessGroup, a 1-D DeviceMesh, a (DeviceMesh, dim) pair, "
         f"or None (no reduction); got {type(spec).__name__}"
     )
@@ -175,7 +181,7 @@ class Reduction:
     def __reduce__(self) -> tuple[type[Reduction], tuple[Any]]:
         """Pickled as its group argument; an explicit group cannot leave its process."""
         if self._spec is not DEFAULT_GROUP and self._spec is not None:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"cannot pickle a manager built with group={self._spec!r}: process groups belong to "
                 "the process that made them. Save manager.state_dict() instead (it holds every value), "
                 "and build the manager again with its group where it is loaded"

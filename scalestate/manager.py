@@ -17,7 +17,7 @@ from scalestate._engine.stepping import run_step
 from scalestate.backends import Backend, CastSpec
 from scalestate.diagnostics import ScalingStats, build_stats
 from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
-from scalestate.errors import PhaseError, ScaleStateError, SlotError
+from scalestate.errors import ArgumentTypeError, ArgumentValueError, PhaseError, ScaleStateError, SlotError
 from scalestate.handle import ScalingHandle
 from scalestate.nonfinite import NONFINITE_POLICIES, NonFinitePolicy
 from scalestate.persist import recipe_to_dict, to_state_dict, validate
@@ -110,13 +110,13 @@ class ScalingStateManager:
     ) -> None:
         if not isinstance(recipe, RECIPES):
             names = ", ".join(f"ss.{cls.__name__}(...)" for cls in RECIPES)
-            raise ScaleStateError(f"recipe must be one of {names}; got {recipe!r}")
+            raise ArgumentTypeError(f"recipe must be one of {names}; got {recipe!r}")
         if on_nonfinite not in NONFINITE_POLICIES:
-            raise ScaleStateError(
+            raise ArgumentValueError(
                 f"on_nonfinite must be one of {', '.join(map(repr, NONFINITE_POLICIES))}; got {on_nonfinite!r}"
             )
         if not isinstance(collect_stats, bool):
-            raise ScaleStateError(f"collect_stats must be True or False; got {collect_stats!r}")
+            raise ArgumentTypeError(f"collect_stats must be True or False; got {collect_stats!r}")
         self._on_nonfinite: NonFinitePolicy = on_nonfinite
         #: The last step() raised: the step may be discarded or a state loaded mid-step.
         self._refused = False

@@ -7,7 +7,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
-from scalestate.errors import ScaleStateError
+from scalestate.errors import CastError, ReadOnlyError
 from scalestate.finegrained import dequantize as fine_dequantize
 
 __all__ = ["FP8_DTYPES", "Quantized"]
@@ -96,12 +96,12 @@ class Quantized:
         t_tile: tuple[int, int] | None = None,
     ) -> None:
         if data.dtype not in FP8_DTYPES:
-            raise ScaleStateError(
+            raise CastError(
                 f"Quantized data must be torch.float8_e4m3fn or torch.float8_e5m2; got {data.dtype}"
             )
         if scale is None:
             if scale_inv is None:
-                raise ScaleStateError("Quantized needs scale or scale_inv (or both); got neither")
+                raise CastError("Quantized needs scale or scale_inv (or both); got neither")
             scale = torch.reciprocal(scale_inv)
         elif scale_inv is None:
             scale_inv = torch.reciprocal(scale)
@@ -116,10 +116,10 @@ class Quantized:
         set_(self, "t_tile", _swap(tile) if t_tile is None else t_tile)
 
     def __setattr__(self, name: str, value: Any) -> NoReturn:
-        raise AttributeError(f"Quantized is read-only; cannot set {name!r}")
+        raise ReadOnlyError(f"Quantized is read-only; cannot set {name!r}")
 
     def __delattr__(self, name: str) -> NoReturn:
-        raise AttributeError(f"Quantized is read-only; cannot delete {name!r}")
+        raise ReadOnlyError(f"Quantized is read-only; cannot delete {name!r}")
 
     @property
     def shape(self) -> torch.Size:
@@ -140,7 +140,7 @@ class Quantized:
         the tile transposed: the same values, scaled along the first dimension.
         """
         if self.data.dim() != 2:
-            raise ScaleStateError(f"Quantized.t() needs 2-d data; got shape {tuple(self.data.shape)}")
+            raise CastError(f"Quantized.t() needs 2-d data; got shape {tuple(self.data.shape)}")
         if self.transposed is not None:
             return Quantized(
                 self.transposed, scale=self.t_scale, scale_inv=self.t_scale_inv, transposed=self.data,
@@ -163,7 +163,7 @@ class Quantized:
         if self.transposed is not None:
             return Quantized(self.transposed, scale=self.t_scale, scale_inv=self.t_scale_inv, tile=self.t_tile)
         if self.tile is not None and self.tile[0] != self.tile[1]:
-            raise ScaleStateError(
+            raise CastError(
                 f"this Quantized is scaled in {self.tile[0]} x {self.tile[1]} tiles and holds no "
                 "columnwise quantization; cast with transpose=True"
             )

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from scalestate.errors import ArgumentValueError
 from scalestate.phase import recompute_region, training_forward_region
 
 __all__ = ["checkpoint"]
@@ -52,7 +53,7 @@ def checkpoint(
     """
     if use_reentrant:
         if context_fn is not None:
-            raise ValueError("context_fn is only supported with use_reentrant=False (as in torch)")
+            raise ArgumentValueError("context_fn is only supported with use_reentrant=False (as in torch)")
         calls = 0
         training = torch.is_grad_enabled()  # torch runs the first call under no_grad either way
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from scalestate.diagnostics import RiskFlag, ScalingStats, SlotStats
-from scalestate.errors import ScaleStateError, StateDictError
+from scalestate.errors import MissingDependencyError, ScaleStateError, StateDictError
 from scalestate.persist import is_state_dict, recipe_from_dict
 from scalestate.recipe import Role
 
@@ -232,7 +232,7 @@ def plot_stats(
     inches at ``dpi``, so ``1200 x 100 * (1 + 2 * rows)`` pixels by default.
 
     Raises:
-        ImportError: matplotlib is missing (``pip install "scalestate[plot]"``).
+        MissingDependencyError: matplotlib is missing (``pip install "scalestate[plot]"``).
     """
     try:
         import matplotlib
@@ -240,7 +240,7 @@ def plot_stats(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError(
+        raise MissingDependencyError(
             'scalestate plot needs matplotlib: pip install "scalestate[plot]"'
         ) from None
     names = list(stats)

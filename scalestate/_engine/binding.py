@@ -6,7 +6,7 @@ import torch
 
 from scalestate._engine.state import State
 from scalestate.backends import Backend, check_backend, get_backend, resolve_backend, validate_backend
-from scalestate.errors import BackendUnavailableError, ScaleStateError
+from scalestate.errors import BackendUnavailableError, CastError
 from scalestate.recipe import Recipe
 
 __all__ = ["BackendBinding", "canonical_device", "settle_during_trace"]
@@ -78,7 +78,7 @@ class BackendBinding:
         if device is not None:
             if device != state.device:
                 if state.pinned:
-                    raise ScaleStateError(
+                    raise CastError(
                         f"a tensor on {device} was cast, but this manager's state lives on {state.device} "
                         f"and is already in use; use one manager per device, or call "
                         f"manager.to({str(device)!r}) between steps"

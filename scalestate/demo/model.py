@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from scalestate.errors import ArgumentValueError
+
 __all__ = ["Block", "TinyLM"]
 
 
@@ -59,7 +61,7 @@ class TinyLM(nn.Module):
     ) -> None:
         super().__init__()
         if d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+            raise ArgumentValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.checkpoint = checkpoint
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)

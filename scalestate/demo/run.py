@@ -13,7 +13,7 @@ import torch
 import scalestate as ss
 from scalestate.demo.data import MODULES, corpus
 from scalestate.demo.train import FULL_BLOCK, DemoConfig, RunResult, data_parallel, train
-from scalestate.errors import ScaleStateError
+from scalestate.errors import ArgumentValueError, ScaleStateError
 
 __all__ = ["compare", "run_demo"]
 
@@ -42,7 +42,7 @@ def _config(args: argparse.Namespace) -> DemoConfig:
 def compare(a: RunResult, b: RunResult) -> dict[str, bool]:
     """Bitwise (``torch.equal``) comparison of two FP8 runs."""
     if a.scaling is None or b.scaling is None:
-        raise ValueError("compare() needs two FP8 runs (with scaling state)")
+        raise ArgumentValueError("compare() needs two FP8 runs (with scaling state)")
     return {
         "training losses": a.losses == b.losses,
         "parameters": a.params.keys() == b.params.keys()

@@ -15,6 +15,7 @@ import scalestate as ss
 from scalestate.demo.data import batches, corpus, encode
 from scalestate.demo.model import TinyLM
 from scalestate.demo.progress import Progress
+from scalestate.errors import ArgumentValueError
 
 __all__ = ["RECIPE_NAMES", "DemoConfig", "RecipeName", "RunResult", "train"]
 
@@ -76,7 +77,7 @@ class DemoConfig:
             return ss.MXFP8Scaling()
         if self.recipe == "delayed":
             return ss.DelayedScaling(history_len=self.history_len)
-        raise ValueError(f"recipe must be one of {', '.join(RECIPE_NAMES)}; got {self.recipe!r}")
+        raise ArgumentValueError(f"recipe must be one of {', '.join(RECIPE_NAMES)}; got {self.recipe!r}")
 
 
 @attrs.frozen(eq=False)

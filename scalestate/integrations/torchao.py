@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from scalestate.errors import ScaleStateError
+from scalestate.errors import ConversionError, ConversionTypeError, MissingDependencyError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.nn.convert import find_layers, place_layer, refuse_taken_names
@@ -48,7 +48,7 @@ try:
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 except ImportError as exc:
-    raise ImportError(
+    raise MissingDependencyError(
         "scalestate.integrations.torchao needs torchao (>= 0.18), which is not installed "
         f"({exc}); install the extra: pip install \"scalestate[torchao]\""
     ) from exc
@@ -61,14 +61,6 @@ _CAST_CONFIGS = {
     Role.WEIGHT: ("cast_config_weight", "cast_config_weight_for_grad_input"),
     Role.GRAD_OUTPUT: ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight"),
 }
-
-
-class ConversionError(ScaleStateError, ValueError):
-    """A model, config or manager that this adapter cannot serve; the message names the alternative."""
-
-
-class ConversionTypeError(ConversionError, TypeError):
-    """An argument of the wrong type (a model that is not a module, a manager that is not one, ...)."""
 
 
 class _AsFloat8(torch.autograd.Function):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from scalestate.atomic import atomic_save
-from scalestate.errors import StateDictError
+from scalestate.errors import ArgumentTypeError, ConversionTypeError, MissingDependencyError, StateDictError
 from scalestate.manager import ScalingStateManager
 from scalestate.nn.convert import ConversionRequest, adopt_parameters, register_conversion, registered_conversions
 from scalestate.nn.linear import WeightSlotModule, check_module_arguments, linear
@@ -36,7 +36,7 @@ try:
     from transformers.pytorch_utils import Conv1D as _HFConv1D
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as error:  # pragma: no cover - exercised by a test that hides transformers
-    raise ImportError(
+    raise MissingDependencyError(
         f"scalestate.integrations.transformers needs transformers (and accelerate for its Trainer): {_EXTRA}"
     ) from error
 
@@ -116,7 +116,7 @@ def convert_conv1d(module: torch.nn.Module, request: ConversionRequest) -> Conv1
     convert subclasses of ``Conv1D``.
     """
     if not isinstance(module, _HFConv1D):
-        raise TypeError(f"convert_conv1d converts transformers' Conv1D; got {type(module).__name__}")
+        raise ConversionTypeError(f"convert_conv1d converts transformers' Conv1D; got {type(module).__name__}")
     new = Conv1D(
         module.nf,
         module.nx,
@@ -165,7 +165,8 @@ class ScalingStateCallback(TrainerCallback):
             without this callback).
 
     Raises:
-        ImportError: accelerate (which the Trainer needs) is missing.
+        ArgumentTypeError: ``manager`` is not a manager, or ``restore`` not a bool.
+        MissingDependencyError: accelerate (which the Trainer needs) is missing.
 
     Example:
         >>> import scalestate as ss
@@ -178,11 +179,11 @@ class ScalingStateCallback(TrainerCallback):
 
     def __init__(self, manager: ScalingStateManager, *, restore: bool = True) -> None:
         if not isinstance(manager, ScalingStateManager):
-            raise TypeError(f"ScalingStateCallback needs a ScalingStateManager; got {type(manager).__name__}")
+            raise ArgumentTypeError(f"ScalingStateCallback needs a ScalingStateManager; got {type(manager).__name__}")
         if not isinstance(restore, bool):
-            raise TypeError(f"restore must be True or False; got {restore!r}")
+            raise ArgumentTypeError(f"restore must be True or False; got {restore!r}")
         if importlib.util.find_spec("accelerate") is None:
-            raise ImportError(f"the transformers Trainer needs accelerate: {_EXTRA}")
+            raise MissingDependencyError(f"the transformers Trainer needs accelerate: {_EXTRA}")
         self.manager = manager
         self.restore = restore
         self._run: str | None = None
@@ -266,5 +267,5 @@ def _stateful(state: TrainerState) -> dict[str, Any]:
         callbacks = {}
         state.stateful_callbacks = callbacks
     if not isinstance(callbacks, dict):
-        raise TypeError(f"TrainerState.stateful_callbacks is a {type(callbacks).__name__}, expected a dict")
+        raise ArgumentTypeError(f"TrainerState.stateful_callbacks is a {type(callbacks).__name__}, expected a dict")
     return callbacks

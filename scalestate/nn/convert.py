@@ -18,7 +18,7 @@ from typing import TypeVar
 import attrs
 import torch
 
-from scalestate.errors import ScaleStateError, SlotError
+from scalestate.errors import ConversionError, ConversionTypeError, SlotError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.nn.fsdp import wrap_weight
@@ -69,7 +69,9 @@ class _Registration:
 def _convert_linear(module: torch.nn.Module, request: ConversionRequest) -> torch.nn.Module:
     """The default conversion of ``torch.nn.Linear``: a :class:`scalestate.nn.Linear` on its parameters."""
     if not isinstance(module, torch.nn.Linear):
-        raise TypeError(f"the torch.nn.Linear conversion got a {type(module).__name__}, not a torch.nn.Linear")
+        raise ConversionTypeError(
+            f"the torch.nn.Linear conversion got a {type(module).__name__}, not a torch.nn.Linear"
+        )
     new = Linear(
         module.in_features,
         module.out_features,
@@ -87,7 +89,9 @@ def adopt_parameters(new: M, module: torch.nn.Module, request: ConversionRequest
     train/eval mode; the weight is wrapped for an FP8 all-gather when the request asks for one."""
     weight = module.weight
     if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{type(module).__name__}.weight is a {type(weight).__name__}, not a tensor: nothing to adopt")
+        raise ConversionTypeError(
+            f"{type(module).__name__}.weight is a {type(weight).__name__}, not a tensor: nothing to adopt"
+        )
     new.weight = wrap_weight(weight, new.handle) if request.fp8_all_gather else weight
     new.bias = module.bias
     new.train(module.training)
@@ -133,9 +137,9 @@ def register_conversion(
             since a subclass's ``forward`` may do more than its base's).
 
     Raises:
-        TypeError: ``module_type`` is not a ``torch.nn.Module`` subclass, or
+        ConversionTypeError: ``module_type`` is not a ``torch.nn.Module`` subclass, or
             ``fn`` is not callable.
-        ScaleStateError: ``module_type`` already has a conversion and ``replace`` is false.
+        ConversionError: ``module_type`` already has a conversion and ``replace`` is false.
 
     Example:
         >>> import torch, scalestate as ss
@@ -158,23 +162,23 @@ def register_conversion(
         >>> ss.nn.unregister_conversion(Scaled)
     """
     if not isinstance(module_type, type) or not issubclass(module_type, torch.nn.Module):
-        raise TypeError(
+        raise ConversionTypeError(
             f"register_conversion: module_type must be a torch.nn.Module subclass (the class, not an "
             f"instance); got {module_type!r}"
         )
     if not callable(fn):
-        raise TypeError(
+        raise ConversionTypeError(
             f"register_conversion: fn for {module_type.__qualname__} must be callable as "
             f"fn(module, request) -> torch.nn.Module; got {fn!r}"
         )
     if not isinstance(replace, bool) or not isinstance(subclasses, bool):
-        raise TypeError(
+        raise ConversionTypeError(
             f"register_conversion: replace and subclasses must be True or False; got replace={replace!r}, "
             f"subclasses={subclasses!r}"
         )
     _load_integrations()  # so that an integration's later import cannot shadow this registration
     if module_type in _registry and not replace:
-        raise ScaleStateError(
+        raise ConversionError(
             f"a conversion of {_type_name(module_type)} is already registered "
             f"({_fn_name(_registry[module_type].fn)}); pass replace=True to replace it"
         )
@@ -185,12 +189,12 @@ def unregister_conversion(module_type: type[torch.nn.Module]) -> None:
     """Stop :func:`convert` from converting ``module_type`` (e.g. ``torch.nn.Linear``).
 
     Raises:
-        ScaleStateError: ``module_type`` has no conversion; the message lists those registered.
+        ConversionError: ``module_type`` has no conversion; the message lists those registered.
     """
     _load_integrations()
     if module_type not in _registry:
         have = ", ".join(sorted(_type_name(t) for t in _registry)) or "none"
-        raise ScaleStateError(
+        raise ConversionError(
             f"no conversion of {_type_name(module_type) if isinstance(module_type, type) else repr(module_type)} "
             f"is registered (registered: {have}); nothing to unregister"
         )
@@ -247,7 +251,7 @@ def convert(
             after ``fully_shard``, as FSDP2 requires anyway).
 
     Raises:
-        TypeError: a bad argument, or a conversion that returned something
+        ConversionTypeError: a bad argument, or a conversion that returned something
             other than a ``torch.nn.Module``.
         SlotError: a slot name is taken, or (with ``fp8_all_gather``) layers
             share a weight; nothing is converted.
@@ -266,13 +270,15 @@ def convert(
         ['0']
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"convert: model must be a torch.nn.Module; got {type(model).__name__}")
+        raise ConversionTypeError(f"convert: model must be a torch.nn.Module; got {type(model).__name__}")
     if not isinstance(manager, ScalingStateManager):
-        raise TypeError(f"convert: manager must be a ScalingStateManager; got {type(manager).__name__}")
+        raise ConversionTypeError(f"convert: manager must be a ScalingStateManager; got {type(manager).__name__}")
     if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(f"convert: filter_fn must be None or callable as filter_fn(path, module); got {filter_fn!r}")
+        raise ConversionTypeError(
+            f"convert: filter_fn must be None or callable as filter_fn(path, module); got {filter_fn!r}"
+        )
     if not isinstance(fp8_all_gather, bool):
-        raise TypeError(f"fp8_all_gather must be True or False; got {fp8_all_gather!r}")
+        raise ConversionTypeError(f"fp8_all_gather must be True or False; got {fp8_all_gather!r}")
     _load_integrations()
     fn = _conversion_for(model)
     if fn is not None:
@@ -351,7 +357,7 @@ def _conversion_for(module: torch.nn.Module) -> ConversionFn | None:
 def _build(fn: ConversionFn, module: torch.nn.Module, request: ConversionRequest) -> torch.nn.Module:
     new = fn(module, request)
     if not isinstance(new, torch.nn.Module):
-        raise TypeError(
+        raise ConversionTypeError(
             f"the conversion of {_type_name(type(module))} ({_fn_name(fn)}) returned "
             f"{type(new).__name__}, not a torch.nn.Module; a conversion returns the module to put in "
             f"its place (see ss.nn.register_conversion)"

@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from scalestate.errors import CastError, ScaleStateError
+from scalestate.errors import ArgumentValueError, CastError
 from scalestate.handle import ScalingHandle
 from scalestate.nn.fsdp_gathered import GatheredFP8Weight
 from scalestate.quantized import Quantized
@@ -313,7 +313,7 @@ def _require_reduction(handle: ScalingHandle, mesh: Any) -> None:
     reduced = set(dist.get_process_group_ranks(group)) if group is not None else set()
     missing = sorted(set(shard_ranks) - reduced)
     if missing:
-        raise ScaleStateError(
+        raise ArgumentValueError(
             f"slot {handle.name!r}: fp8_all_gather gathers shards from ranks {shard_ranks}, which must all "
             f"cast with one scale, but the manager's step reduces over "
             f"{'no group (group=None)' if group is None else sorted(reduced)}: ranks {missing} are left out. "

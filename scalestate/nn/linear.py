@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from scalestate.backends import Backend
-from scalestate.errors import CastError
+from scalestate.errors import ArgumentTypeError, CastError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.nn import tensor_parallel
@@ -329,13 +329,13 @@ def check_module_arguments(manager: object, fp8_all_gather: object) -> None:
     """The checks of an FP8 module's ``manager`` and ``fp8_all_gather`` arguments.
 
     Raises:
-        TypeError: ``manager`` is not a manager, or ``fp8_all_gather`` not a bool.
+        ArgumentTypeError: ``manager`` is not a manager, or ``fp8_all_gather`` not a bool.
         CastError: ``fp8_all_gather=True`` with a fine-grained recipe.
     """
     if not isinstance(manager, ScalingStateManager):
-        raise TypeError(f"manager must be a ScalingStateManager; got {type(manager).__name__}")
+        raise ArgumentTypeError(f"manager must be a ScalingStateManager; got {type(manager).__name__}")
     if not isinstance(fp8_all_gather, bool):
-        raise TypeError(f"fp8_all_gather must be True or False; got {fp8_all_gather!r}")
+        raise ArgumentTypeError(f"fp8_all_gather must be True or False; got {fp8_all_gather!r}")
     if fp8_all_gather and manager.recipe.granularity(Role.WEIGHT) is not None:
         raise CastError(
             f"fp8_all_gather=True casts each FSDP shard with its slot's one per-tensor scale; "
