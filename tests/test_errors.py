@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import doctest
 import importlib
 import re
 import sys
@@ -112,6 +113,16 @@ class TestVocabulary:
         """Every class says, in its docstring, when it is raised."""
         doc = getattr(errors, name).__doc__
         assert doc is not None and len(doc.split()) >= 8, f"{name} needs a docstring saying when it is raised"
+
+    def test_module_example(self):
+        """The runnable example of the module docstring runs and prints what it says."""
+        finder = doctest.DocTestFinder(recurse=False)
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        tests = finder.find(errors, globs={})
+        assert any(t.examples for t in tests)
+        for t in tests:
+            runner.run(t)
+        assert runner.failures == 0
 
     def test_conversion_type_error_is_also_an_argument_type_error(self):
         """A conversion's wrong-type argument is caught as a ConversionError and as an ArgumentTypeError."""
