@@ -130,13 +130,17 @@ class NonFiniteAmaxError(ScaleStateError, FloatingPointError):
 
 
 class ConversionError(ScaleStateError, ValueError):
-    """A model conversion cannot be done as asked; nothing was converted, and the message names the alternative.
+    """A model conversion cannot be done as asked; the model is unchanged, and the message names the alternative.
 
     Raised by :func:`scalestate.nn.convert`, the conversion registry
     (:func:`scalestate.nn.register_conversion` for a type that already has a
     conversion without ``replace=True``, ``unregister_conversion`` for one
     that has none) and the integrations' converters (for the torchao adapter:
-    a config, a recipe or a model it does not serve).
+    a config, a recipe or a model it does not serve); also for a ``prefix``
+    that is not a dotted path, and a layer holding a child module, parameter
+    or buffer under a name its FP8 version uses itself, so that keeping it
+    would lose something (found once the FP8 layers are built: their slots
+    stay registered).
     """
 
 

@@ -38,9 +38,9 @@ from torch import Tensor
 from scalestate.errors import ConversionError, ConversionTypeError, MissingDependencyError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
-from scalestate.nn.convert import find_layers, place_layer, refuse_taken_names
+from scalestate.nn.convert import check_prefix, find_layers, slot_names, swap_layers
 from scalestate.nn.linear import Linear as ScalestateLinear
-from scalestate.nn.linear import WeightSlotModule, _free_name
+from scalestate.nn.linear import WeightSlotModule
 from scalestate.recipe import Format, Role
 
 try:
@@ -267,6 +267,7 @@ def convert_to_float8_training(
     *,
     config: Float8LinearConfig | None = None,
     module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
+    prefix: str = "",
 ) -> torch.nn.Module:
     """Swap ``model``'s ``torch.nn.Linear`` layers for torchao float8 ones scaled by ``manager``.
 
@@ -275,11 +276,19 @@ def convert_to_float8_training(
     ``module_filter_fn(module, fqn)`` is true is replaced by a
     :class:`ManagedFloat8Linear`, in place; ``fqn`` is the module's path
     (``""`` for ``model`` itself, which is then returned converted). Each layer
-    registers its slots under its path (``"linear"`` for a converted root)
-    and takes over the *same* parameter objects, so weights, ``state_dict``
-    keys and an optimizer built before are kept. A layer reachable by several
-    paths is converted once, under its first path, and replaced at all of
-    them. Nothing changes if any check fails.
+    registers its slots under its path, after ``prefix`` if one is given
+    (a converted root: ``prefix``, or ``"linear"``), and takes over the *same*
+    parameter objects, so weights, ``state_dict`` keys and an optimizer built
+    before are kept. A layer reachable by several paths is converted once,
+    under its first path, and replaced at all of them. Nothing changes if any
+    check fails.
+
+    Nothing the model holds is dropped (torchao's own function refuses a root
+    ``Linear`` with children, and drops those of a nested one): a converted
+    layer keeps its child modules, and any parameter or buffer besides
+    ``weight`` and ``bias``, under the same names, and a ``torch.nn.Linear``
+    among those children is converted too, at any depth, as in
+    :func:`scalestate.nn.convert`.
 
     Drive the training loop as with any scalestate model: phase blocks (or
     none), and ``manager.step()`` after each optimizer step.
@@ -304,6 +313,9 @@ def convert_to_float8_training(
     * a layer already converted to float8 (by torchao, by this function or
       :func:`scalestate.nn.convert`), and a model with no ``torch.nn.Linear``
       selected.
+    * a ``prefix`` that is not a dotted path, and a layer holding a child,
+      parameter or buffer under a name that ``ManagedFloat8Linear`` uses
+      itself (keeping it would lose one of the two).
 
     Args:
         model: a ``torch.nn.Module``; converted in place and returned.
@@ -313,14 +325,19 @@ def convert_to_float8_training(
             ``pad_inner_dim`` and ``gemm_config_*`` keep their meaning for the products.
         module_filter_fn: ``module_filter_fn(module, fqn) -> bool``, torchao's
             argument order; only layers for which it is true are converted.
+            ``fqn`` is the path in ``model``, without ``prefix``.
+        prefix: prepended to every slot name (``prefix="encoder"``: the layer at
+            ``"0"`` registers ``"encoder.0"``), so that models or parts
+            converted separately share one manager; ``""`` (default) or a
+            dotted path.
 
     Returns:
         ``model``, or the new layer if ``model`` itself is a converted ``torch.nn.Linear``.
 
     Raises:
         ConversionError: see above.
-        ConversionTypeError: ``model``, ``manager``, ``config`` or
-            ``module_filter_fn`` has the wrong type.
+        ConversionTypeError: ``model``, ``manager``, ``config``,
+            ``module_filter_fn`` or ``prefix`` has the wrong type.
         SlotError: a layer's path is already a slot name in ``manager``.
 
     Example:
@@ -343,6 +360,7 @@ def convert_to_float8_training(
             f"module_filter_fn must be callable as module_filter_fn(module, fqn) -> bool; got "
             f"{type(module_filter_fn).__name__}"
         )
+    check_prefix(prefix)
     if config is None:
         config = Float8LinearConfig()
     _check(config, manager)
@@ -364,12 +382,9 @@ def convert_to_float8_training(
             f"layer(s) {done} are already float8 layers; convert a model once, with one function: leave "
             "them out with module_filter_fn, or start from the torch.nn.Linear model"
         )
-    names = {key: paths[0] or _free_name(manager, "linear") for key, (_, paths) in chosen.items()}
-    refuse_taken_names(manager, list(names.values()))
-    for key, (module, paths) in chosen.items():
+    names = slot_names(manager, chosen, prefix, lambda module: "linear")
+    built: dict[int, torch.nn.Module] = {}
+    for key, (module, _) in chosen.items():
         assert isinstance(module, torch.nn.Linear)  # find_layers matched only those
-        new = ManagedFloat8Linear.from_linear(module, config=config, manager=manager, name=names[key])
-        if paths == [""]:
-            return new  # the root itself: it holds no other module
-        place_layer(model, paths, new)
-    return model
+        built[key] = ManagedFloat8Linear.from_linear(module, config=config, manager=manager, name=names[key])
+    return swap_layers(model, chosen, built)

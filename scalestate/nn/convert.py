@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -219,6 +219,7 @@ def convert(
     filter_fn: Callable[[str, torch.nn.Module], bool] | None = None,
     *,
     fp8_all_gather: bool = False,
+    prefix: str = "",
 ) -> torch.nn.Module:
     """Replace every layer of a registered type in ``model`` by its FP8 version.
 
@@ -229,32 +230,49 @@ def convert(
     *same* parameter objects, so weights are kept, ``state_dict`` keys and
     shapes are unchanged, and an optimizer built before the conversion still
     updates them. Each slot is named after the module's path
-    (``"blocks.0.fc1"``); a layer shared by several paths becomes one FP8
-    layer, named after its first path. Subclasses of a registered type are
-    left alone (their forward may do more than a product) unless registered
-    with ``subclasses=True``, as are layers already converted. If a slot name
-    is already taken in ``manager``, nothing is converted and a ``SlotError``
-    names it.
+    (``"blocks.0.fc1"``), after ``prefix`` if one is given; a layer shared by
+    several paths becomes one FP8 layer, named after its first path.
+    Subclasses of a registered type are left alone (their forward may do more
+    than a product) unless registered with ``subclasses=True``, as are layers
+    already converted. If a slot name is already taken in ``manager``,
+    nothing is converted and a ``SlotError`` names it.
+
+    Nothing the model holds is dropped: a converted layer that has child
+    modules, or parameters and buffers besides those its conversion takes
+    over (for ``torch.nn.Linear``: ``weight`` and ``bias``), keeps them on its
+    FP8 version under the same names (so ``state_dict`` keys stay), and those
+    children are converted like any other module. A layer whose FP8 version
+    already uses such a name is refused with a ``ConversionError``.
 
     Args:
         model: converted in place, and returned. If ``model`` itself is of a
-            registered type, its FP8 version is returned (slot name
-            ``"linear"`` for a ``torch.nn.Linear``, else the class name in
-            lower case).
+            registered type (and passes ``filter_fn`` with path ``""``), its
+            FP8 version is returned, holding ``model``'s children; its slot is
+            named ``prefix``, or without one ``"linear"`` for a
+            ``torch.nn.Linear`` and else the class name in lower case (made
+            unique in ``manager``).
         manager: owns the new layers' scaling state.
         filter_fn: ``filter_fn(path, module) -> bool``; only layers for which it
-            returns True are converted.
+            returns True are converted. ``path`` is the module's path in
+            ``model`` (``""`` for ``model`` itself), without ``prefix``.
         fp8_all_gather: under FSDP2, all-gather the new layers' weights in FP8
             (see :class:`scalestate.nn.Linear` and :mod:`scalestate.nn.fsdp`).
             Their weights then become new parameter objects that share the
             old ones' values: build the optimizer after the conversion (and
             after ``fully_shard``, as FSDP2 requires anyway).
+        prefix: prepended to every slot name, as ``torch.nn.Module.named_modules``
+            does (``prefix="encoder"`` names the layer at ``"0"`` ``"encoder.0"``),
+            so that several models, or parts converted separately, share one
+            manager. A dotted path such as ``"model.encoder"``, or ``""`` (default).
 
     Raises:
         ConversionTypeError: a bad argument, or a conversion that returned something
             other than a ``torch.nn.Module``.
         SlotError: a slot name is taken, or (with ``fp8_all_gather``) layers
             share a weight; nothing is converted.
+        ConversionError: ``prefix`` is not a dotted path, or a converted layer
+            holds a child, parameter or buffer under a name that its FP8
+            version already uses; nothing in ``model`` is changed.
 
     Models built on the ``meta`` device convert like any other; materialize
     them afterwards (``model.to_empty(device=...)``, then initialize).
@@ -266,8 +284,9 @@ def convert(
         >>> net = ss.nn.convert(net, m, filter_fn=lambda path, mod: path != "1")
         >>> [type(layer).__name__ for layer in net]
         ['Linear', 'Linear']
+        >>> other = ss.nn.convert(torch.nn.Sequential(torch.nn.Linear(2, 2)), m, prefix="head")
         >>> list(m.handles)
-        ['0']
+        ['0', 'head.0']
     """
     if not isinstance(model, torch.nn.Module):
         raise ConversionTypeError(f"convert: model must be a torch.nn.Module; got {type(model).__name__}")
@@ -279,31 +298,23 @@ def convert(
         )
     if not isinstance(fp8_all_gather, bool):
         raise ConversionTypeError(f"fp8_all_gather must be True or False; got {fp8_all_gather!r}")
+    check_prefix(prefix)
     _load_integrations()
-    fn = _conversion_for(model)
-    if fn is not None:
-        if filter_fn is None or filter_fn("", model):
-            base = "linear" if type(model) is torch.nn.Linear else type(model).__name__.lower()
-            return _build(fn, model, ConversionRequest(manager, _free_name(manager, base), fp8_all_gather))
-        return model
-    # (the model itself is not of a registered type: it was handled above)
     layers = find_layers(model, lambda module: _conversion_for(module) is not None)
     chosen = {
         key: (module, paths) for key, (module, paths) in layers.items()
         if filter_fn is None or filter_fn(paths[0], module)
     }
-    refuse_taken_names(manager, [paths[0] for _, paths in chosen.values()])
+    names = slot_names(manager, chosen, prefix, _root_name)
     if fp8_all_gather:
         _refuse_tied_weights({paths[0]: module for module, paths in chosen.values()})
     # Build every replacement before placing any: a conversion that fails leaves the model as it was.
     built = {}
-    for key, (module, paths) in chosen.items():
+    for key, (module, _) in chosen.items():
         fn = _conversion_for(module)
         assert fn is not None  # find_layers matched only modules that have one
-        built[key] = _build(fn, module, ConversionRequest(manager, paths[0], fp8_all_gather))
-    for key, (_, paths) in chosen.items():
-        place_layer(model, paths, built[key])
-    return model
+        built[key] = _build(fn, module, ConversionRequest(manager, names[key], fp8_all_gather))
+    return swap_layers(model, chosen, built)
 
 
 def find_layers(
@@ -311,7 +322,8 @@ def find_layers(
 ) -> dict[int, tuple[torch.nn.Module, list[str]]]:
     """Every module of ``model`` (itself included, path ``""``) for which ``match`` holds, keyed by
     ``id``, with every path that reaches it, first path first: a layer reachable by several paths
-    (shared) is converted once, under its first path, and placed at all of them."""
+    (shared) is converted once, under its first path, and placed at all of them. The modules
+    inside a matched one are walked too."""
     found: dict[int, tuple[torch.nn.Module, list[str]]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         if id(module) in found:
@@ -321,6 +333,38 @@ def find_layers(
     return found
 
 
+def check_prefix(prefix: object) -> None:
+    """Raise unless ``prefix`` is ``""`` or a dotted path of non-empty names (``"model.encoder"``)."""
+    if not isinstance(prefix, str):
+        raise ConversionTypeError(
+            f"prefix must be a string such as 'encoder' (prepended to every slot name); got {type(prefix).__name__}"
+        )
+    if prefix and not all(prefix.split(".")):
+        raise ConversionError(
+            f"prefix {prefix!r} is not a dotted module path: it has an empty name (a leading, trailing or "
+            "doubled '.'); pass e.g. 'encoder' or 'model.encoder', which names the layer at '0' 'encoder.0'"
+        )
+
+
+def slot_names(
+    manager: ScalingStateManager,
+    chosen: dict[int, tuple[torch.nn.Module, list[str]]],
+    prefix: str,
+    root_name: Callable[[torch.nn.Module], str],
+) -> dict[int, str]:
+    """The slot name of each chosen layer: ``prefix`` joined to its first path with a ``"."``; for
+    the model itself (path ``""``), ``prefix``, or without one ``root_name(model)`` made unique in
+    ``manager``. Raises ``SlotError`` if any is taken, before any layer changes."""
+    names = {}
+    for key, (module, paths) in chosen.items():
+        if paths[0]:
+            names[key] = f"{prefix}.{paths[0]}" if prefix else paths[0]
+        else:
+            names[key] = prefix or _free_name(manager, root_name(module))
+    refuse_taken_names(manager, list(names.values()))
+    return names
+
+
 def refuse_taken_names(manager: ScalingStateManager, names: list[str]) -> None:
     """Raise ``SlotError`` if any of ``names`` is a slot of ``manager``: checked before any layer
     changes, since a half-converted model helps no one."""
@@ -328,15 +372,107 @@ def refuse_taken_names(manager: ScalingStateManager, names: list[str]) -> None:
     if taken:
         raise SlotError(
             f"cannot convert: slot name(s) {taken} are already registered with this manager; "
-            "convert each model once per manager, or use a fresh manager"
+            "convert each model once per manager, and give each further model (or part converted on "
+            "its own) a name prefix of its own: convert(model, manager, prefix='encoder')"
         )
 
 
-def place_layer(model: torch.nn.Module, paths: list[str], new: torch.nn.Module) -> None:
-    """Put ``new`` at every (non-empty) path of ``model`` in ``paths``."""
-    for path in paths:
+def swap_layers(
+    model: torch.nn.Module,
+    chosen: dict[int, tuple[torch.nn.Module, list[str]]],
+    built: dict[int, torch.nn.Module],
+) -> torch.nn.Module:
+    """Put each ``built[key]`` in place of ``chosen[key]`` at every one of its paths in ``model``, and
+    return ``model`` (or the new root, if ``model`` itself was chosen).
+
+    Each new layer first takes over what the old one holds and it does not (see
+    :func:`keep_members`): the children, converted or not, stay where the model had them. All
+    checks run before ``model`` changes. Paths are placed parents first, so that a layer inside a
+    converted one lands in the new one.
+    """
+    for key, (module, paths) in chosen.items():
+        refuse_clashes(module, built[key], paths[0])
+    for key, (module, _) in chosen.items():
+        keep_members(module, built[key])
+    root = model
+    placements = []
+    for key, (_, paths) in chosen.items():
+        for path in paths:
+            if path:
+                placements.append((path.count("."), path, built[key]))
+            else:
+                root = built[key]
+    for _, path, new in sorted(placements, key=lambda placement: placement[0]):
         parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent), child, new)
+        setattr(root.get_submodule(parent), child, new)
+    return root
+
+
+def _tables(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """What ``module`` itself holds, by kind: child modules, parameters and buffers (``None`` entries included)."""
+    return {"child module": module._modules, "parameter": module._parameters, "buffer": module._buffers}
+
+
+def _members(module: torch.nn.Module) -> list[tuple[str, str, Any]]:
+    """``(kind, name, value)`` of every child module, parameter and buffer ``module`` itself holds
+    (each name once, even where one object is held under two names)."""
+    return [
+        (kind, name, value) for kind, table in _tables(module).items() for name, value in table.items()
+        if value is not None
+    ]
+
+
+def refuse_clashes(old: torch.nn.Module, new: torch.nn.Module, path: str) -> None:
+    """Raise ``ConversionError`` unless ``new`` (the FP8 version of ``old``) can keep everything
+    ``old`` holds: nothing of ``old`` may be lost.
+
+    A parameter or buffer of ``old`` that ``new`` holds as the same kind under the same name is
+    the conversion's (``weight`` and ``bias``, taken over or wrapped); a child module under the same
+    name must be the very same module, since :func:`swap_layers` converts children itself. Any
+    other name of ``old``'s must be free on ``new``, for :func:`keep_members` to put it there.
+    """
+    tables = _tables(new)
+    for kind, name, value in _members(old):
+        mine = tables[kind].get(name)
+        if mine is not None:
+            if kind != "child module" or mine is value:
+                continue
+            clash = f"a child module {name!r} of its own ({type(mine).__name__}) in its place"
+        elif name in tables[kind]:
+            clash = f"{name!r} set to None"
+        elif hasattr(new, name):
+            clash = f"the name {name!r} for something else"
+        else:
+            continue
+        where = f"layer {path!r}" if path else "the model itself"
+        raise ConversionError(
+            f"cannot convert {where} ({type(old).__name__}): it holds a {kind} {name!r} "
+            f"({type(value).__name__}), and its FP8 version ({type(new).__name__}) has {clash}, so "
+            f"something would be lost. Rename that {kind} or move it out of the layer, or leave the layer "
+            "out with a filter; the model was not changed"
+        )
+
+
+def keep_members(old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """``new`` takes over every child module, parameter and buffer of ``old`` that it does not hold
+    under the same name (:func:`refuse_clashes` has checked that the name is free): the same
+    objects under the same names, a buffer with its persistence."""
+    tables = _tables(new)
+    for kind, name, value in _members(old):
+        if tables[kind].get(name) is not None:
+            continue
+        if kind == "child module":
+            new.add_module(name, value)
+        elif kind == "parameter":
+            new.register_parameter(name, value)
+        else:
+            new.register_buffer(name, value, persistent=name not in old._non_persistent_buffers_set)
+
+
+def _root_name(module: torch.nn.Module) -> str:
+    """The slot name of a converted model itself, before it is made unique: ``"linear"`` for a
+    ``torch.nn.Linear``, else the class name in lower case."""
+    return "linear" if type(module) is torch.nn.Linear else type(module).__name__.lower()
 
 
 def _conversion_for(module: torch.nn.Module) -> ConversionFn | None:
