@@ -12,8 +12,9 @@ The rules (per slot, per step):
 * ``amax_from_history``: ``max(history)`` or the newest entry.
 * non-finite step amaxes are counted per slot; under the ``"fallback"``
   policy the slot's history is zeroed first (see :func:`update_scales`).
-* ``scale_from_amax``: ``fp8_max / amax / 2**margin`` (a true float32
-  division), clamped to ``[smallest normal float32, largest float32]`` (so an
+* ``scale_from_amax``: ``fp8_max / max(amax, amax_floor) / 2**margin`` (a
+  true float32 division; ``amax_floor`` is 0, no floor, unless the recipe sets
+  one), clamped to ``[smallest normal float32, largest float32]`` (so an
   infinite result becomes the float32 max), then optionally rounded down to a
   power of two; an amax that is zero or not finite keeps the previous scale.
 """
@@ -63,6 +64,9 @@ class ScaleRule:
     margin: int = 0
     #: Round each scale down to a power of two.
     power_of_2: bool = False
+    #: Amaxes below it (but above 0) scale as if they were it: ``fp8_max / max(amax, amax_floor)``,
+    #: in float32 (the floor rounded to the nearest float32). 0: no floor.
+    amax_floor: float = 0.0
 
 
 def is_usable_amax(amax: Tensor) -> Tensor:
@@ -121,11 +125,20 @@ def scale_from_amax(
 ) -> Tensor:
     """The scale that maps ``amax`` onto ``fp8_max``, with ``2**rule.margin`` headroom.
 
+    A positive ``amax`` below ``rule.amax_floor`` is raised to it before the
+    division, as torchao's dynamic scaling does (its floor is ``1e-12``). The
+    division is float32's, correctly rounded, with the floor as its nearest
+    float32 ``F``. torchao divides in float64 and rounds once to float32,
+    which gives the same bits for every amax above the floor (a float64
+    quotient of two float32 values rounds to the correctly rounded float32
+    one); below it, the two agree when ``fp8_max / F`` and ``fp8_max / floor``
+    round to the same float32, as they do for ``1e-12`` and both FP8 formats.
+
     Args:
         amax: amax per slot (any shape), float32.
         fp8_max: largest finite value of the target format, a float or a
             tensor broadcastable to ``amax``.
-        rule: margin and power-of-two rounding (``amax_compute`` is not used here).
+        rule: margin, power-of-two rounding and amax floor (``amax_compute`` is not used here).
         previous: the scale kept where ``amax`` is zero or not finite.
         out: where to write the result (may be ``previous`` itself).
 
@@ -133,7 +146,10 @@ def scale_from_amax(
         float32 scales in ``[FLOAT32_TINY, FLOAT32_MAX]`` wherever ``amax`` is
         usable, ``previous`` elsewhere.
     """
-    scale = torch.div(fp8_max, amax.float())  # a true division, not reciprocal * fp8_max
+    divisor = amax.float()
+    if rule.amax_floor:
+        divisor = divisor.clamp(min=rule.amax_floor)  # NaN stays NaN; zero is kept below, as "no amax"
+    scale = torch.div(fp8_max, divisor)  # a true division, not reciprocal * fp8_max
     if rule.margin:
         scale = scale / (2.0**rule.margin)
     scale = scale.clamp(FLOAT32_TINY, FLOAT32_MAX)

@@ -5,8 +5,10 @@ Keys (format version 2), exactly these:
 ``format_version`` (int)
     2.
 ``recipe`` (dict)
-    ``kind`` (``"DelayedScaling"`` or ``"CurrentScaling"``) and every recipe
-    field as a plain value (formats by their string value).
+    ``kind`` (the recipe's class name, e.g. ``"DelayedScaling"``) and every
+    recipe field as a plain value (formats by their string value), except
+    ``amax_floor`` while it is ``0.0`` (its default; a state saved before the
+    field existed is such a state). A missing ``amax_floor`` reads as ``0.0``.
 ``iteration`` (int)
     Number of ``step()`` calls so far.
 ``slots`` (list of ``[name, role]`` string pairs)
@@ -72,7 +74,7 @@ from torch import Tensor
 from scalestate._engine.state import State
 from scalestate.errors import RecipeError, StateDictError
 from scalestate.math import FLOAT32_TINY
-from scalestate.recipe import RECIPES, Format, Recipe, Role
+from scalestate.recipe import RECIPES, Format, Recipe, Role, described_fields
 
 __all__ = [
     "FORMAT_VERSION",
@@ -175,11 +177,11 @@ _KEYS = _keys(FORMAT_VERSION)
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
-    """The recipe as plain values: its kind and every field."""
+    """The recipe as plain values: its kind and every field, but a field added since recipes were
+    first saved (``amax_floor``) while it holds its default, so that such states are unchanged."""
     out: dict[str, Any] = {"kind": type(recipe).__name__}
-    for field in attrs.fields(type(recipe)):
-        value = getattr(recipe, field.name)
-        out[field.name] = getattr(value, "value", value)
+    for name, value in described_fields(recipe).items():
+        out[name] = getattr(value, "value", value)
     return out
 
 

@@ -20,7 +20,7 @@ import torch
 
 from scalestate.errors import RecipeError
 from scalestate.finegrained import MX_BLOCK, Granularity
-from scalestate.math import ScaleRule
+from scalestate.math import FLOAT32_MAX, FLOAT32_TINY, ScaleRule
 
 __all__ = [
     "BlockScaling",
@@ -119,8 +119,54 @@ def _check_amax_compute(_: object, attribute: attrs.Attribute[Any], value: objec
         raise RecipeError(f"{attribute.name} must be 'max' or 'most_recent'; got {value!r}")
 
 
-@attrs.frozen
-class DelayedScaling:
+def _as_float(value: object) -> object:
+    """An int amax floor as the float it means (``0`` and ``-0.0`` are ``0.0``); anything else as it
+    is, for the validator to judge."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value) + 0.0
+    return value
+
+
+def _check_amax_floor(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, float) or not (value == 0.0 or FLOAT32_TINY <= value <= FLOAT32_MAX):
+        raise RecipeError(
+            f"{attribute.name} must be 0.0 (no floor) or a float from 2**-126 to {FLOAT32_MAX:.6g} (a normal "
+            f"float32: the scale math runs in float32), e.g. 1e-12 as torchao's dynamic scaling; got {value!r}"
+        )
+
+
+#: ``metadata`` of a recipe field added after recipes were first saved: left out of the recipe's
+#: repr and of the manager's saved recipe while it holds its default, so that states and reprs
+#: made before the field existed stay valid and unchanged.
+OMITTED_AT_DEFAULT = {"scalestate.omitted_at_default": True}
+
+
+def described_fields(recipe: object) -> dict[str, Any]:
+    """The fields that describe ``recipe``, in order: every field, but those of :data:`OMITTED_AT_DEFAULT`
+    that hold their default."""
+    out: dict[str, Any] = {}
+    for field in attrs.fields(type(recipe)):
+        value = getattr(recipe, field.name)
+        if field.metadata.get("scalestate.omitted_at_default") and value == field.default:
+            continue
+        out[field.name] = value
+    return out
+
+
+def _amax_floor_field() -> Any:
+    return attrs.field(default=0.0, converter=_as_float, validator=_check_amax_floor, metadata=OMITTED_AT_DEFAULT)
+
+
+class _DescribedRepr:
+    """A repr of the fields that describe the recipe (see :func:`described_fields`)."""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={value!r}" for name, value in described_fields(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+@attrs.frozen(repr=False)
+class DelayedScaling(_DescribedRepr):
     """Scale each cast from the amax history of earlier steps.
 
     Between two ``step()`` calls every cast of a slot uses one scale; the amax
@@ -147,6 +193,12 @@ class DelayedScaling:
     format: Format = attrs.field(default=Format.HYBRID, validator=_check_format)
     #: Round each scale down to a power of two (exact rescaling, no mantissa error).
     power_of_2: bool = attrs.field(default=False, validator=_check_bool)
+    #: Amaxes below it (but above 0) scale as if they were it: ``fp8_max /
+    #: max(amax, amax_floor)``. ``0.0`` (default): no floor, the scale follows
+    #: the amax down to the smallest one (up to the float32 maximum). torchao's
+    #: dynamic scaling floors at ``1e-12``. Shown in the repr and saved in the
+    #: manager's state only when set.
+    amax_floor: float = _amax_floor_field()
 
     @property
     def delayed(self) -> bool:
@@ -156,7 +208,9 @@ class DelayedScaling:
     @property
     def rule(self) -> ScaleRule:
         """How scales follow from amaxes under this recipe."""
-        return ScaleRule(amax_compute=self.amax_compute, margin=self.margin, power_of_2=self.power_of_2)
+        return ScaleRule(
+            amax_compute=self.amax_compute, margin=self.margin, power_of_2=self.power_of_2, amax_floor=self.amax_floor
+        )
 
     def granularity(self, role: Role) -> Granularity | None:
         """``None``: one scale per tensor."""
@@ -199,8 +253,8 @@ class _JustInTime:
         return ScaleRule(amax_compute="most_recent", margin=0, power_of_2=self.power_of_2)
 
 
-@attrs.frozen
-class CurrentScaling(_JustInTime):
+@attrs.frozen(repr=False)
+class CurrentScaling(_DescribedRepr, _JustInTime):
     """Scale each cast just in time from the tensor being cast.
 
     Every cast computes the tensor's amax first and derives its scale from it;
@@ -211,12 +265,23 @@ class CurrentScaling(_JustInTime):
         >>> import scalestate as ss
         >>> ss.CurrentScaling(power_of_2=True).power_of_2
         True
+        >>> ss.CurrentScaling(amax_floor=1e-12)  # torchao's dynamic scaling, bit for bit
+        CurrentScaling(format=<Format.HYBRID: 'hybrid'>, power_of_2=False, amax_floor=1e-12)
     """
 
     #: FP8 format of forward and backward casts.
     format: Format = attrs.field(default=Format.HYBRID, validator=_check_format)
     #: Round each scale down to a power of two.
     power_of_2: bool = attrs.field(default=False, validator=_check_bool)
+    #: Amaxes below it (but above 0) scale as if they were it, as in
+    #: :attr:`DelayedScaling.amax_floor`. ``0.0`` (default): no floor;
+    #: ``1e-12``: torchao's dynamic scaling.
+    amax_floor: float = _amax_floor_field()
+
+    @property
+    def rule(self) -> ScaleRule:
+        """How scales follow from amaxes under this recipe."""
+        return ScaleRule(amax_compute="most_recent", margin=0, power_of_2=self.power_of_2, amax_floor=self.amax_floor)
 
     def granularity(self, role: Role) -> Granularity | None:
         """``None``: one scale per tensor."""

@@ -27,16 +27,20 @@ from torchao.float8 import Float8LinearConfig
 from torchao.float8 import convert_to_float8_training as torchao_convert
 from torchao.float8.config import CastConfig, ScalingGranularity, ScalingType
 from torchao.float8.float8_training_tensor import Float8TrainingTensor
+from torchao.float8.float8_utils import amax_to_scale
 
 import scalestate as ss
 from sac_programs import Policy
 from scalestate.errors import ScaleStateError, SlotError
 from scalestate.integrations.torchao import (
+    AMAX_FLOOR,
     ConversionError,
     ConversionTypeError,
     ManagedFloat8Linear,
     convert_to_float8_training,
+    matching_recipe,
 )
+from scalestate.math import scale_from_amax
 
 ROOT = Path(__file__).resolve().parents[1]
 #: torchao's default (tensorwise) config, its products emulated in float32 (CPU).
@@ -208,6 +212,118 @@ class TestTorchaoParity:
         ours = train(DELAYED)
         assert torch.equal(ours.losses[0], ref.losses[0])  # before the first step() both scale just in time
         assert not torch.equal(ours.losses[-1], ref.losses[-1])
+
+
+#: Amaxes at and below torchao's floor (1e-12): tiny normal ones, subnormal ones down to the smallest,
+#: and the floor's own float32 with its neighbours.
+_F32_EPS = torch.tensor(1e-12)
+TINY_AMAXES = {
+    "1e-13": 1e-13,
+    "1e-30": 1e-30,
+    "subnormal_1e-40": 1e-40,
+    "subnormal_min": 2.0**-149,
+    "float32(1e-12)": _F32_EPS.item(),
+    "below_float32(1e-12)": torch.nextafter(_F32_EPS, torch.tensor(0.0)).item(),
+    "above_float32(1e-12)": torch.nextafter(_F32_EPS, torch.tensor(1.0)).item(),
+}
+
+
+def _layer_run(layer: nn.Module, x: Tensor, grad: Tensor) -> list[Tensor]:
+    """Output, input gradient and parameter gradients of one forward and backward of ``layer``."""
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    y.backward(grad)
+    assert x.grad is not None
+    return [y.detach(), x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
+
+
+def _tiny_case(which: str, amax: float) -> tuple[nn.Linear, Tensor, Tensor]:
+    """A Linear(32, 16) and an input and output gradient, the one named by ``which`` scaled to ``amax``."""
+    gen = torch.Generator().manual_seed(2)
+    layer = nn.Linear(32, 16)
+    x, grad = torch.randn(8, 32, generator=gen), torch.randn(8, 16, generator=gen)
+    tensors = {"input": x, "weight": layer.weight.data, "grad_output": grad}
+    tensors[which].div_(tensors[which].abs().max()).mul_(amax)
+    return layer, x, grad
+
+
+class TestTinyAmaxes:
+    """At and below torchao's amax floor, matching_recipe(config) keeps the adapter bitwise torchao's."""
+
+    def test_matching_recipe(self):
+        """CurrentScaling with the config's format and power-of-two rounding, and torchao's floor."""
+        assert AMAX_FLOOR == 1e-12
+        assert matching_recipe(CONFIG) == ss.CurrentScaling(amax_floor=1e-12)
+        pow2 = Float8LinearConfig(round_scales_to_power_of_2=True, emulate=True)
+        assert matching_recipe(pow2, DELAYED) == ss.DelayedScaling(history_len=4, power_of_2=True, amax_floor=1e-12)
+        e5m2 = CastConfig(target_dtype=torch.float8_e5m2)
+        assert matching_recipe(Float8LinearConfig(cast_config_input=e5m2, cast_config_weight=e5m2)).format is (
+            ss.Format.E5M2
+        )
+        with pytest.raises(ConversionError, match=re.escape("no ss.Format casts the config's dtypes")):
+            matching_recipe(Float8LinearConfig(cast_config_input=e5m2))
+        with pytest.raises(ConversionTypeError, match=re.escape("ss.DelayedScaling or ss.CurrentScaling")):
+            matching_recipe(CONFIG, ss.RowwiseScaling())  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("power_of_2", [False, True], ids=["exact", "pow2"])
+    @pytest.mark.parametrize("fmt", [ss.Format.E4M3, ss.Format.E5M2], ids=["e4m3", "e5m2"])
+    def test_scales_are_torchaos(self, fmt, power_of_2):
+        """The scale rule of matching_recipe, and a cast's scale, are torchao's amax_to_scale bit for bit:
+        every power of two from the smallest subnormal to 2**127, the 128 float32 values around the
+        floor, and 20000 random float32 amaxes over the whole range."""
+        gen = torch.Generator().manual_seed(0)
+        around = torch.tensor(1e-12).view(torch.int32) + torch.arange(-64, 65, dtype=torch.int32)
+        amaxes = torch.cat([
+            torch.exp2(torch.arange(-149, 128, dtype=torch.float64)).float(),
+            around.view(torch.float32),
+            torch.exp2(torch.rand(20000, generator=gen, dtype=torch.float64) * 276 - 149).float(),
+        ])
+        recipe = attrs.evolve(matching_recipe(Float8LinearConfig(round_scales_to_power_of_2=power_of_2)), format=fmt)
+        dtype = fmt.dtype(ss.Role.INPUT)
+        theirs = amax_to_scale(amaxes, dtype, power_of_2)
+        assert torch.equal(scale_from_amax(amaxes, torch.finfo(dtype).max, recipe.rule), theirs)
+        handle = ss.ScalingStateManager(recipe, backend="emulation").register("fc")
+        some = range(0, len(amaxes), 97)
+        casts = torch.stack([handle.quantize(amaxes[i].reshape(1), ss.Role.INPUT).scale for i in some])
+        assert torch.equal(casts, theirs[list(some)])
+
+    @pytest.mark.parametrize("emulate", [True, False], ids=["emulated", "scaled_mm"])
+    @pytest.mark.parametrize("which", ["input", "weight", "grad_output"])
+    @pytest.mark.parametrize("amax", sorted(TINY_AMAXES))
+    def test_layer_is_torchaos(self, amax, which, emulate):
+        """Output, input gradient, weight and bias gradients of a layer whose input, weight or output
+        gradient has the amax: bitwise torchao's own layer."""
+        config = Float8LinearConfig(emulate=emulate)
+        layer, x, grad = _tiny_case(which, TINY_AMAXES[amax])
+        theirs = _layer_run(torchao_convert(copy.deepcopy(layer), config=config), x, grad)
+        manager = ss.ScalingStateManager(matching_recipe(config), backend="emulation")
+        ours = _layer_run(convert_to_float8_training(copy.deepcopy(layer), manager, config=config), x, grad)
+        assert_tensors_equal(ours, theirs, "output, input, weight and bias gradients")
+
+    def test_without_the_floor_tiny_gradients_differ(self):
+        """Why the floor: ss.CurrentScaling() (no floor) scales a gradient of amax 1e-13 ten times
+        higher than torchao (5.734e17 against 5.734e16), and every weight-gradient element differs."""
+        layer, x, grad = _tiny_case("grad_output", 1e-13)
+        theirs = _layer_run(torchao_convert(copy.deepcopy(layer), config=CONFIG), x, grad)
+        manager = ss.ScalingStateManager(ss.CurrentScaling(), backend="emulation")
+        ours = _layer_run(convert_to_float8_training(copy.deepcopy(layer), manager, config=CONFIG), x, grad)
+        assert torch.equal(ours[0], theirs[0])  # the forward is untouched
+        assert (ours[2] != theirs[2]).all() and ours[2].numel() == 512
+
+    def test_training_with_tiny_gradients_is_torchaos(self):
+        """5 steps x 2 microbatches of the MLP with its output scaled by 1e-6 (output gradients of 1e-14 to
+        1e-16 in every layer): losses, outputs, gradients and parameters bitwise torchao's."""
+        def scaled(model: nn.Module) -> Callable[[Tensor], Tensor]:
+            return lambda x: model(x) * 1e-6
+
+        theirs = torchao_convert(MLP(), config=CONFIG)
+        ref = run_steps(theirs, torch.optim.AdamW(theirs.parameters(), lr=0.01), None, batches(), Record(),
+                        call=scaled(theirs))
+        model, opt, manager = managed(matching_recipe(CONFIG))
+        got = run_steps(model, opt, manager, batches(), Record(), call=scaled(model))
+        assert_same_training(got, ref)
+        for handle in manager.handles.values():
+            assert 0 < handle.amax_history(ss.Role.GRAD_OUTPUT)[-1] < 1e-13
 
 
 class TestConversion:

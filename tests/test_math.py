@@ -164,3 +164,53 @@ class TestUpdateScales:
             torch.tensor([448.0]), ScaleRule(amax_compute="most_recent"),
         )
         assert h.tolist() == [[8.0, 2.0]] and s.tolist() == [224.0]
+
+
+#: torchao's amax floor, and the float32 the scale math makes of it (just below 1e-12).
+FLOOR = ScaleRule(amax_floor=1e-12)
+F32_FLOOR = torch.tensor(1e-12)
+#: Amaxes below the floor: tiny normal ones, a subnormal one, the smallest subnormal, the floor's
+#: own float32 and its neighbour below.
+BELOW_FLOOR = [1e-13, 1e-30, 1e-40, 2.0**-149, F32_FLOOR.item(), torch.nextafter(F32_FLOOR, torch.tensor(0.0)).item()]
+
+
+class TestAmaxFloor:
+    """ScaleRule.amax_floor: amaxes below it scale as the floor; zero and non-finite ones keep the previous scale."""
+
+    @pytest.mark.parametrize("amax", BELOW_FLOOR, ids=lambda a: f"{a:.3g}")
+    @pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
+    def test_below_the_floor(self, amax, fp8_max):
+        """fp8_max / float32(1e-12): 4.48e14 for E4M3, 5.734e16 for E5M2, whatever the amax under it."""
+        out = scale_from_amax(torch.tensor(amax), fp8_max, FLOOR)
+        assert torch.equal(out, torch.div(fp8_max, F32_FLOOR))
+        assert out.item() == {448.0: 447999985582080.0, 57344.0: 5.734399815450624e16}[fp8_max]
+
+    def test_without_floor_the_scale_follows(self):
+        """No floor (the default): 1e-13 gives ten times the floor's scale, 1e-30 5.7e34, 1e-40 the float32 max."""
+        amax = torch.tensor([1e-13, 1e-30, 1e-40])
+        out = scale_from_amax(amax, 57344.0)
+        assert torch.equal(out[:2], torch.div(57344.0, amax[:2])) and out[2].item() == FLOAT32_MAX
+        assert out[0].item() == pytest.approx(5.7344e17, rel=1e-6)
+
+    def test_above_the_floor_unchanged(self):
+        """The next float32 above the floor, and ordinary amaxes, divide as without a floor."""
+        amax = torch.tensor([torch.nextafter(torch.tensor(1e-12), torch.tensor(1.0)).item(), 1e-5, 2.0, 3e30])
+        assert torch.equal(scale_from_amax(amax, 448.0, FLOOR), scale_from_amax(amax, 448.0))
+
+    @pytest.mark.parametrize("bad", [0.0, INF, NAN])
+    def test_unusable_amax_keeps_previous(self, bad):
+        """Zero (no cast) and non-finite amaxes keep the previous scale, floor or not."""
+        out = scale_from_amax(torch.tensor(bad), 448.0, FLOOR, previous=torch.tensor(3.5))
+        assert out.item() == 3.5
+
+    def test_with_margin_and_power_of_2(self):
+        """The floor comes first: 448 / float32(1e-12) / 2**2, then rounded down to 2**46."""
+        rule = ScaleRule(margin=2, power_of_2=True, amax_floor=1e-12)
+        out = scale_from_amax(torch.tensor(1e-20), 448.0, rule)
+        assert out.item() == 2.0**46 and 2.0**46 <= 448 / 1e-12 / 4 < 2.0**47
+
+    def test_update_scales(self):
+        """A step's tiny amax enters the history as it is; the scale derived from it is the floor's."""
+        h, s = update_scales(torch.zeros(1, 2), torch.ones(1), torch.tensor([1e-30]), torch.tensor([448.0]), FLOOR)
+        assert h.tolist() == [[0.0, pytest.approx(1e-30)]] and torch.equal(h[0, 1], torch.tensor(1e-30))
+        assert torch.equal(s[0], torch.div(448.0, F32_FLOOR))

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import scalestate as ss
 from scalestate.errors import PhaseError, StateDictError
-from scalestate.persist import TENSOR_KEYS
+from scalestate.persist import TENSOR_KEYS, recipe_from_dict
 
 I, G = ss.Role.INPUT, ss.Role.GRAD_OUTPUT
 F32_MAX = torch.finfo(torch.float32).max
@@ -770,3 +770,53 @@ def test_rows_are_saved_sorted_by_name_and_role_whatever_the_registration_order(
         assert torch.equal(dicts[0][key], dicts[1][key]), key
     assert dicts[0]["amax_history"][:, -1].tolist() == [1.0, 2.0, 11.0, 12.0]
 
+
+
+class TestAmaxFloorPersisted:
+    """The recipes' amax_floor: saved only when set, so states of recipes without it are what they always were."""
+
+    @pytest.mark.parametrize(
+        ("recipe", "fields"),
+        [
+            (ss.DelayedScaling(history_len=4),
+             ["kind", "history_len", "amax_compute", "margin", "format", "power_of_2"]),
+            (ss.CurrentScaling(), ["kind", "format", "power_of_2"]),
+        ],
+        ids=["delayed", "current"],
+    )
+    def test_default_is_not_saved(self, recipe, fields):
+        """At its default (0.0, no floor) the saved recipe has exactly the fields it had before amax_floor existed."""
+        m, _ = _trained(recipe)
+        assert list(m.state_dict()["recipe"]) == fields
+
+    @pytest.mark.parametrize("recipe", [ss.DelayedScaling(history_len=4, amax_floor=1e-12),
+                                        ss.CurrentScaling(amax_floor=1e-12)], ids=["delayed", "current"])
+    def test_set_round_trips(self, recipe):
+        """Set, it is saved as a float, loads (weights_only) into a manager of the same recipe bitwise, and
+        recipe_from_dict gives the recipe back."""
+        m, _ = _trained(recipe)
+        sd = m.state_dict()
+        assert sd["recipe"]["amax_floor"] == 1e-12 and type(sd["recipe"]["amax_floor"]) is float
+        assert recipe_from_dict(sd["recipe"]) == recipe
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+        buf.seek(0)
+        fresh, _ = _trained(recipe, steps=0)
+        fresh.load_state_dict(torch.load(buf, weights_only=True))
+        assert_same_state(fresh.state_dict(), sd)
+
+    def test_other_floor_refused(self):
+        """A state saved with a floor does not load into a manager without one, nor the other way round."""
+        floored, _ = _trained(ss.DelayedScaling(history_len=4, amax_floor=1e-12))
+        plain, _ = _trained(ss.DelayedScaling(history_len=4))
+        _refused(plain, floored.state_dict(), r"recipe differs in \['amax_floor'\]")
+        _refused(floored, plain.state_dict(), r"recipe differs in \['amax_floor'\]")
+        other, _ = _trained(ss.DelayedScaling(history_len=4, amax_floor=1e-10))
+        _refused(other, floored.state_dict(), r"recipe differs in \['amax_floor'\]")
+
+    def test_bad_saved_floor(self):
+        """A saved recipe whose floor no recipe takes is a StateDictError naming it."""
+        m, _ = _trained(ss.CurrentScaling(amax_floor=1e-12))
+        saved = {**m.state_dict()["recipe"], "amax_floor": -1.0}
+        with pytest.raises(StateDictError, match=r"amax_floor must be 0\.0"):
+            recipe_from_dict(saved)

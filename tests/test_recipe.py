@@ -98,3 +98,66 @@ class TestCurrentScaling:
         """Same validators as delayed scaling."""
         with pytest.raises(RecipeError, match="format"):
             ss.CurrentScaling(format=None)  # type: ignore[arg-type]
+
+
+PER_TENSOR = [ss.DelayedScaling, ss.CurrentScaling]
+
+
+class TestAmaxFloor:
+    """The per-tensor recipes' amax_floor: 0.0 by default (no floor), carried into the scale rule."""
+
+    @pytest.mark.parametrize("cls", PER_TENSOR, ids=lambda c: c.__name__)
+    def test_default_is_no_floor(self, cls):
+        """0.0, in the rule too; the repr is the one recipes had before the field existed."""
+        r = cls()
+        assert r.amax_floor == 0.0 and r.rule.amax_floor == 0.0
+        assert "amax_floor" not in repr(r)
+        assert repr(ss.DelayedScaling()) == (
+            "DelayedScaling(history_len=16, amax_compute='max', margin=0, format=<Format.HYBRID: 'hybrid'>, "
+            "power_of_2=False)"
+        )
+
+    @pytest.mark.parametrize("cls", PER_TENSOR, ids=lambda c: c.__name__)
+    def test_set(self, cls):
+        """Set, it is in the rule and the repr; ints read as floats; attrs.evolve and equality work."""
+        r = cls(amax_floor=1e-12)
+        assert r.rule.amax_floor == 1e-12 and repr(r).endswith("power_of_2=False, amax_floor=1e-12)")
+        assert cls(amax_floor=1).amax_floor == 1.0 and type(cls(amax_floor=1).amax_floor) is float
+        assert attrs.evolve(r, amax_floor=0) == cls() and cls(amax_floor=-0.0) == cls()
+        assert r != cls() and hash(attrs.evolve(r)) == hash(r)
+
+    @pytest.mark.parametrize("value", [-1e-12, float("nan"), float("inf"), 1e-40, 1e39, True, "1e-12", None])
+    @pytest.mark.parametrize("cls", PER_TENSOR, ids=lambda c: c.__name__)
+    def test_bad_values(self, cls, value):
+        """Negative, non-finite, subnormal or beyond float32, or not a number: a RecipeError naming field and value."""
+        with pytest.raises(RecipeError, match=r"amax_floor must be 0.0 \(no floor\) or a float from 2\*\*-126") as info:
+            cls(amax_floor=value)
+        assert repr(value) in str(info.value) and isinstance(info.value, ValueError)
+
+    @pytest.mark.parametrize("cls", [ss.RowwiseScaling, ss.BlockScaling, ss.MXFP8Scaling], ids=lambda c: c.__name__)
+    def test_fine_grained_recipes_take_none(self, cls):
+        """Fine-grained recipes have no such field."""
+        with pytest.raises(TypeError, match="amax_floor"):
+            cls(amax_floor=1e-12)
+
+    @pytest.mark.parametrize("backend", ["emulation", "scaled_mm"])
+    @pytest.mark.parametrize("floor", [0.0, 1e-12], ids=["no_floor", "floor"])
+    @pytest.mark.parametrize("cls", PER_TENSOR, ids=lambda c: c.__name__)
+    def test_casts_and_steps(self, cls, floor, backend):
+        """A tensor of amax 1e-13: its just-in-time cast, the step's scale, and (delayed) the next step's cast all
+        divide by max(1e-13, floor); the history holds the amax itself."""
+        recipe = cls(amax_floor=floor, format=ss.Format.E5M2)
+        m = ss.ScalingStateManager(recipe, backend=backend)
+        h = m.register("fc")
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+        x = x / x.abs().max() * 1e-13
+        amax = x.abs().max()
+        want = torch.div(57344.0, torch.maximum(amax, torch.tensor(floor)))
+        assert torch.equal(h.quantize(x, ss.Role.INPUT).scale, want)
+        m.step()
+        assert torch.equal(h.amax_history(ss.Role.INPUT)[-1], amax)
+        assert torch.equal(h.scale(ss.Role.INPUT), want)
+        q = h.quantize(x / 8, ss.Role.INPUT)  # delayed: the step's scale; current: its own, floored again
+        own = torch.div(57344.0, torch.maximum(amax / 8, torch.tensor(floor)))
+        assert torch.equal(q.scale, want if recipe.delayed else own)
+        assert torch.equal(q.data, (x / 8 * q.scale).to(torch.float8_e5m2))

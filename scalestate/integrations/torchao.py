@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 from torch import Tensor
 
@@ -41,19 +42,31 @@ from scalestate.manager import ScalingStateManager
 from scalestate.nn.convert import check_prefix, find_layers, slot_names, swap_layers
 from scalestate.nn.linear import Linear as ScalestateLinear
 from scalestate.nn.linear import WeightSlotModule
-from scalestate.recipe import Format, Role
+from scalestate.recipe import CurrentScaling, DelayedScaling, Format, Role
 
 try:
     from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+    from torchao.float8.float8_utils import EPS as _TORCHAO_EPS
 except ImportError as exc:
     raise MissingDependencyError(
         "scalestate.integrations.torchao needs torchao (>= 0.18), which is not installed "
         f"({exc}); install the extra: pip install \"scalestate[torchao]\""
     ) from exc
 
-__all__ = ["ConversionError", "ConversionTypeError", "ManagedFloat8Linear", "convert_to_float8_training"]
+__all__ = [
+    "AMAX_FLOOR",
+    "ConversionError",
+    "ConversionTypeError",
+    "ManagedFloat8Linear",
+    "convert_to_float8_training",
+    "matching_recipe",
+]
+
+#: torchao's amax floor: its dynamic scaling divides by ``max(amax, AMAX_FLOOR)`` (``1e-12``, read
+#: from ``torchao.float8.float8_utils.EPS``). :func:`matching_recipe` sets it as the recipe's ``amax_floor``.
+AMAX_FLOOR: float = float(_TORCHAO_EPS)
 
 #: The cast configs of a ``Float8LinearConfig`` that cast each role (for each of its two products).
 _CAST_CONFIGS = {
@@ -238,14 +251,14 @@ def _check(config: Float8LinearConfig, manager: ScalingStateManager) -> None:
             "(FSDP2 then gathers the high-precision weight and the manager casts it), or all-gather in FP8 "
             "with scalestate's own layers: ss.nn.convert(model, manager, fp8_all_gather=True)"
         )
-    wanted = {role: getattr(config, _CAST_CONFIGS[role][0]).target_dtype for role in Role}
+    wanted = _dtypes(config)
     mismatched = [role for role in Role if recipe.format.dtype(role) != wanted[role]]
     if mismatched:
         role = mismatched[0]
-        match = [f for f in Format if all(f.dtype(r) == wanted[r] for r in Role)]
+        match = _format_of(config)
         fix = (
-            f"make the manager with format=ss.Format.{match[0].name}"
-            if match
+            f"make the manager with format=ss.Format.{match.name}"
+            if match is not None
             else "no ss.Format casts those dtypes (INPUT and WEIGHT must share one)"
         )
         raise ConversionError(
@@ -259,6 +272,74 @@ def _check(config: Float8LinearConfig, manager: ScalingStateManager) -> None:
             f"has power_of_2={recipe.power_of_2}; the manager makes every scale here. Set both the same "
             f"(e.g. ss.{type(recipe).__name__}(..., power_of_2={bool(config.round_scales_to_power_of_2)}))"
         )
+
+
+def _dtypes(config: Float8LinearConfig) -> dict[Role, torch.dtype]:
+    """The FP8 dtype ``config`` casts each role to (that of the role's first product)."""
+    return {role: getattr(config, _CAST_CONFIGS[role][0]).target_dtype for role in Role}
+
+
+def _format_of(config: Float8LinearConfig) -> Format | None:
+    """The format that casts each role to ``config``'s dtype, if one does."""
+    wanted = _dtypes(config)
+    return next((f for f in Format if all(f.dtype(role) == wanted[role] for role in Role)), None)
+
+
+def matching_recipe(
+    config: Float8LinearConfig | None = None, recipe: DelayedScaling | CurrentScaling | None = None
+) -> DelayedScaling | CurrentScaling:
+    """The recipe whose scales are torchao's own under ``config``: make the manager with it.
+
+    ``recipe`` (default ``ss.CurrentScaling()``) with the format that casts
+    each role to the config's dtype, ``power_of_2`` set to the config's
+    ``round_scales_to_power_of_2``, and torchao's amax floor
+    (``amax_floor=AMAX_FLOOR``, ``1e-12``). With ``ss.CurrentScaling`` the
+    adapter then trains bit for bit as ``torchao.float8.convert_to_float8_training``
+    with the same config, for every input, the tiniest amaxes included (torchao
+    scales an amax below ``1e-12`` as ``1e-12``; a recipe without the floor
+    follows it further down, to larger scales). With ``ss.DelayedScaling``
+    its scales follow torchao's rule from the amax history.
+
+    Args:
+        config: torchao's ``Float8LinearConfig`` (default ``Float8LinearConfig()``).
+        recipe: the per-tensor recipe to start from; its other fields are kept.
+
+    Raises:
+        ConversionError: no ``ss.Format`` casts the config's dtypes, or
+            ``recipe`` is fine-grained.
+        ConversionTypeError: ``config`` or ``recipe`` has the wrong type.
+
+    Example:
+        >>> import scalestate as ss
+        >>> from torchao.float8 import Float8LinearConfig
+        >>> from scalestate.integrations.torchao import matching_recipe
+        >>> matching_recipe(Float8LinearConfig(emulate=True))
+        CurrentScaling(format=<Format.HYBRID: 'hybrid'>, power_of_2=False, amax_floor=1e-12)
+        >>> matching_recipe(recipe=ss.DelayedScaling(history_len=4)).amax_floor
+        1e-12
+    """
+    if config is None:
+        config = Float8LinearConfig()
+    if not isinstance(config, Float8LinearConfig):
+        raise ConversionTypeError(
+            f"config must be a torchao.float8.Float8LinearConfig (or None for its default); got {type(config).__name__}"
+        )
+    if recipe is None:
+        recipe = CurrentScaling()
+    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        raise ConversionTypeError(
+            f"recipe must be an ss.DelayedScaling or ss.CurrentScaling (per-tensor scales, as torchao's tensorwise "
+            f"training tensors carry); got {type(recipe).__name__}"
+        )
+    fmt = _format_of(config)
+    if fmt is None:
+        wanted = ", ".join(f"{role.name}: {dtype}" for role, dtype in _dtypes(config).items())
+        raise ConversionError(
+            f"no ss.Format casts the config's dtypes ({wanted}; INPUT and WEIGHT must share one, E4M3 or E5M2). "
+            "Give the config target dtypes of one format, e.g. torchao's default Float8LinearConfig()"
+        )
+    power_of_2 = bool(config.round_scales_to_power_of_2)
+    return attrs.evolve(recipe, format=fmt, power_of_2=power_of_2, amax_floor=AMAX_FLOOR)
 
 
 def convert_to_float8_training(
