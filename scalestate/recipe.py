@@ -135,26 +135,29 @@ def _check_amax_floor(_: object, attribute: attrs.Attribute[Any], value: object)
         )
 
 
-#: ``metadata`` of a recipe field added after recipes were first saved: left out of the recipe's
-#: repr and of the manager's saved recipe while it holds its default, so that states and reprs
-#: made before the field existed stay valid and unchanged.
-OMITTED_AT_DEFAULT = {"scalestate.omitted_at_default": True}
+#: ``metadata`` key of a recipe field added after recipes were first saved: such a field is left
+#: out of the recipe's repr and of the manager's saved recipe while it holds its default, so that
+#: states and reprs made before it existed stay valid and unchanged.
+_OMITTED_AT_DEFAULT = "scalestate.omitted_at_default"
 
 
 def described_fields(recipe: object) -> dict[str, Any]:
-    """The fields that describe ``recipe``, in order: every field, but those of :data:`OMITTED_AT_DEFAULT`
-    that hold their default."""
+    """The fields that describe ``recipe`` (an attrs recipe), in order: every field but one added
+    since recipes were first saved (``amax_floor``) while it holds its default."""
+    cls: Any = type(recipe)
     out: dict[str, Any] = {}
-    for field in attrs.fields(type(recipe)):
+    for field in attrs.fields(cls):
         value = getattr(recipe, field.name)
-        if field.metadata.get("scalestate.omitted_at_default") and value == field.default:
+        if field.metadata.get(_OMITTED_AT_DEFAULT) and value == field.default:
             continue
         out[field.name] = value
     return out
 
 
 def _amax_floor_field() -> Any:
-    return attrs.field(default=0.0, converter=_as_float, validator=_check_amax_floor, metadata=OMITTED_AT_DEFAULT)
+    return attrs.field(
+        default=0.0, converter=_as_float, validator=_check_amax_floor, metadata={_OMITTED_AT_DEFAULT: True}
+    )
 
 
 class _DescribedRepr:
