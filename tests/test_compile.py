@@ -189,6 +189,52 @@ class TestCompiledLayer:
         assert m.backend.name == "scaled_mm" and bool((m.state_dict()["amax_history"][:, -1] > 0).all())
 
 
+class TestAmaxFloor:
+    """A recipe's amax_floor engaged (every gradient below it): compiled training is eager's, bitwise."""
+
+    @staticmethod
+    def _run(recipe: ss.Recipe, compiler: str | None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        manager = ss.ScalingStateManager(recipe, backend="emulation")
+        model = ss.nn.convert(torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.ReLU(),
+                                                  torch.nn.Linear(32, 8, bias=False)), manager)
+        call = model if compiler is None else torch.compile(model, backend=compiler, fullgraph=True)
+        opt = torch.optim.SGD(model.parameters(), lr=1e12)
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        for step in range(4):
+            if step == 2:
+                torch._dynamo.config.error_on_recompile = True
+            x = torch.randn(4, 16, generator=gen)
+            with manager.forward():
+                loss = call(x).square().mean() * 1e-14  # output gradients of about 1e-15..1e-16
+            with manager.backward():
+                loss.backward()
+            out += [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+            manager.step()
+        state = manager.state_dict()
+        grad_rows = [role == "grad_output" for _, role in state["slots"]]
+        assert ((state["amax_history"][grad_rows] > 0) & (state["amax_history"][grad_rows] < 1e-12)).all()
+        assert (state["scale"][grad_rows] == torch.div(57344.0, torch.tensor(1e-12))).all()  # the floor's scale
+        return out, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+    @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+    @pytest.mark.parametrize("recipe", ["current", "delayed"])
+    def test_bitwise_eager(self, recipe, compiler, fresh_dynamo):
+        """Gradients of every step and the state after the last, fullgraph, no recompilation after step 2."""
+        rec = {"current": ss.CurrentScaling(amax_floor=1e-12),
+               "delayed": ss.DelayedScaling(history_len=2, amax_floor=1e-12)}[recipe]
+        grads, state = self._run(rec, compiler)
+        want_grads, want_state = self._run(rec, None)
+        assert not counters["graph_break"]
+        for got, want in zip(grads, want_grads, strict=True):
+            assert torch.equal(got, want)
+        for key, value in want_state.items():
+            assert torch.equal(state[key], value), key
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 class TestSelectiveInCompiledRegion:
     """Selective checkpointing inside a fullgraph aot_eager region: the compiler applies the policy to its
