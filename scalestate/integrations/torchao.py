@@ -19,9 +19,11 @@ finds it cast as well. torchao saves its operands for backward: here they are
 the FP8 tensors, so a layer keeps one FP8 copy of its input, not the
 high-precision one.
 
-With :class:`~scalestate.CurrentScaling` every cast has torchao's own scale,
-so training is bit for bit that of ``torchao.float8.convert_to_float8_training``
-with the same config. Only per-tensor scaling is served (see
+With the recipe :func:`matching_recipe` makes (:class:`~scalestate.CurrentScaling`
+with torchao's amax floor, :data:`AMAX_FLOOR`) every cast has torchao's own
+scale, for every input, so training is bit for bit that of
+``torchao.float8.convert_to_float8_training`` with the same config. Only
+per-tensor scaling is served (see
 :func:`convert_to_float8_training` for what is refused, and why).
 
 Needs the ``torchao`` extra: ``pip install "scalestate[torchao]"``.
@@ -362,7 +364,8 @@ def convert_to_float8_training(
     parameter objects, so weights, ``state_dict`` keys and an optimizer built
     before are kept. A layer reachable by several paths is converted once,
     under its first path, and replaced at all of them. Nothing changes if any
-    check fails.
+    check fails (a name clash below is found once the new layers are built:
+    the model is unchanged, their slots stay registered).
 
     Nothing the model holds is dropped (torchao's own function refuses a root
     ``Linear`` with children, and drops those of a nested one): a converted

@@ -270,9 +270,11 @@ def convert(
             other than a ``torch.nn.Module``.
         SlotError: a slot name is taken, or (with ``fp8_all_gather``) layers
             share a weight; nothing is converted.
-        ConversionError: ``prefix`` is not a dotted path, or a converted layer
-            holds a child, parameter or buffer under a name that its FP8
-            version already uses; nothing in ``model`` is changed.
+        ConversionError: ``prefix`` is not a dotted path (nothing changes),
+            or a converted layer holds a child, parameter or buffer under a
+            name that its FP8 version already uses: ``model`` is not changed,
+            but the slots of the FP8 layers built are (as after a conversion
+            function that raises), so convert into a fresh manager.
 
     Models built on the ``meta`` device convert like any other; materialize
     them afterwards (``model.to_empty(device=...)``, then initialize).
@@ -449,7 +451,8 @@ def refuse_clashes(old: torch.nn.Module, new: torch.nn.Module, path: str) -> Non
             f"cannot convert {where} ({type(old).__name__}): it holds a {kind} {name!r} "
             f"({type(value).__name__}), and its FP8 version ({type(new).__name__}) has {clash}, so "
             f"something would be lost. Rename that {kind} or move it out of the layer, or leave the layer "
-            "out with a filter; the model was not changed"
+            "out with a filter. The model was not changed, but the FP8 layers were built, and their slots "
+            "stay registered: convert into a fresh manager"
         )
 
 
