@@ -169,15 +169,15 @@ class TestUpdateScales:
 #: torchao's amax floor, and the float32 the scale math makes of it (just below 1e-12).
 FLOOR = ScaleRule(amax_floor=1e-12)
 F32_FLOOR = torch.tensor(1e-12)
-#: Amaxes below the floor: tiny normal ones, a subnormal one, the smallest subnormal, the floor's
-#: own float32 and its neighbour below.
-BELOW_FLOOR = [1e-13, 1e-30, 1e-40, 2.0**-149, F32_FLOOR.item(), torch.nextafter(F32_FLOOR, torch.tensor(0.0)).item()]
+#: Amaxes below the floor: tiny normal ones, a subnormal one, the smallest subnormal, and the float32
+#: just below the floor's own.
+BELOW_FLOOR = [1e-13, 1e-30, 1e-40, 2.0**-149, torch.nextafter(F32_FLOOR, torch.tensor(0.0)).item()]
 
 
 class TestAmaxFloor:
     """ScaleRule.amax_floor: amaxes below it scale as the floor; zero and non-finite ones keep the previous scale."""
 
-    @pytest.mark.parametrize("amax", BELOW_FLOOR, ids=lambda a: f"{a:.3g}")
+    @pytest.mark.parametrize("amax", BELOW_FLOOR, ids=lambda a: f"{a:.9g}")
     @pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
     def test_below_the_floor(self, amax, fp8_max):
         """fp8_max / float32(1e-12): 4.48e14 for E4M3, 5.734e16 for E5M2, whatever the amax under it."""
