@@ -29,7 +29,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from scalestate.finegrained import Granularity
+from scalestate.granularity import Granularity, granularity_label
 from scalestate.math import ScaleRule
 from scalestate.quantized import Quantized
 from scalestate.recipe import Recipe, Role
@@ -64,18 +64,22 @@ class CastSpec:
 class CastRequest(NamedTuple):
     """One cast, fully decided by the manager.
 
-    The result is ``Quantized(data, scale=..., scale_inv=..., transposed=...)`` with
+    The result is a :class:`~scalestate.Quantized`:
+    ``Quantized.of(Orientation(data, scale, scale_inv), other)`` (see
+    :class:`~scalestate.quantized.Orientation`) with
     ``data = saturate(x * scale)`` rounded to nearest even in ``spec.dtype``
     (values beyond ``±spec.fp8_max`` become ``±spec.fp8_max``; NaN stays NaN),
     ``scale_inv = torch.reciprocal(scale)``, and both scales fresh tensors,
-    never views of the state (which changes at the next step).
+    never views of the state (which changes at the next step). ``other`` is
+    ``None``, or with ``transpose`` the orientation of ``data.t()`` made
+    contiguous, with the same scales.
 
     Fine-grained casts (``spec.granularity`` set) scale every row, tile or
     block from its own amax (``scale`` and ``jit`` are then ignored), exactly
     as :func:`scalestate.finegrained.quantize` does, and return a ``Quantized``
-    with ``tile`` set; ``transpose`` then asks for the other orientation (the
-    quantization of ``x.t()`` along its own rows, with ``t_scale``,
-    ``t_scale_inv`` and ``t_tile``). ``record`` takes the max over the whole
+    whose orientations carry their ``tile``; ``transpose`` then asks for the
+    other orientation (the quantization of ``x.t()`` along its own rows, with
+    scales and a tile of its own). ``record`` takes the max over the whole
     tensor.
     """
 
@@ -198,23 +202,3 @@ class SupportsRecipe(Protocol):
 def recipe_granularities(recipe: Recipe) -> dict[Role, Granularity | None]:
     """The granularity of each role's casts under ``recipe`` (``None``: one scale per tensor)."""
     return {role: recipe.granularity(role) for role in Role}
-
-
-def granularity_label(granularity: Granularity | None) -> str:
-    """A granularity in words, for messages: ``"1 x 128 tiles"``, ``"128 x 128 blocks"``, ...
-
-    Example:
-        >>> from scalestate.finegrained import Granularity
-        >>> granularity_label(Granularity("tile", 128)), granularity_label(None)
-        ('1 x 128 tiles', 'per-tensor scales')
-    """
-    if granularity is None:
-        return "per-tensor scales"
-    kind, block = granularity.kind, granularity.block
-    if kind == "row":
-        return "row-wise scales"
-    if kind == "tile":
-        return f"1 x {block} tiles"
-    if kind == "block":
-        return f"{block} x {block} blocks"
-    return f"E8M0-scaled MX blocks of {block}"

@@ -15,12 +15,12 @@ import torch
 from torch import Tensor
 
 from scalestate.backends.base import CastRequest, StepUpdate
-from scalestate.finegrained import apply_tile_scales
 from scalestate.finegrained import quantize as fine_quantize
 from scalestate.math import scale_from_amax, update_scales
-from scalestate.quantized import Quantized
+from scalestate.quantized import Orientation, Quantized
 from scalestate.recipe import Recipe
 from scalestate.sac import hidden_from_sac
+from scalestate.tiles import apply_tile_scales
 
 __all__ = ["EmulationBackend"]
 
@@ -59,8 +59,9 @@ class EmulationBackend:
         data = (xf * scale).clamp_(-spec.fp8_max, spec.fp8_max).to(spec.dtype)
         if request.record is not None:
             torch.maximum(request.record, amax, out=request.record)
-        transposed = data.t().contiguous() if request.transpose else None
-        return Quantized(data, scale=scale, scale_inv=torch.reciprocal(scale), transposed=transposed)
+        rows = Orientation(data, scale, torch.reciprocal(scale))
+        other = Orientation(data.t().contiguous(), rows.scale, rows.scale_inv) if request.transpose else None
+        return Quantized.of(rows, other)
 
     def _cast_fine(self, request: CastRequest) -> Quantized:
         """A fine-grained cast: :func:`scalestate.finegrained.quantize`, then record its amax."""
@@ -69,10 +70,7 @@ class EmulationBackend:
         fq = fine_quantize(request.x, spec.dtype, spec.granularity, columnwise=request.transpose)
         if request.record is not None:
             torch.maximum(request.record, fq.amax, out=request.record)
-        return Quantized(
-            fq.data, scale=fq.scale, scale_inv=fq.scale_inv, tile=fq.tile, transposed=fq.t_data,
-            t_scale=fq.t_scale, t_scale_inv=fq.t_scale_inv, t_tile=fq.t_tile,
-        )
+        return fq.quantized
 
     def wants_transposed(self, device: torch.device) -> bool:
         """False: products of dequantized operands take any layout."""

@@ -26,6 +26,7 @@ from scalestate.atomic import atomic_save
 from scalestate.diagnostics import RiskFlag, ScalingStats, SlotStats
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
+from scalestate.nonfinite import NonFinitePolicy
 from scalestate.phase import Phase
 from scalestate.quantized import Quantized
 from scalestate.recipe import (
@@ -51,6 +52,7 @@ __all__ = [
     "Direction",
     "Format",
     "MXFP8Scaling",
+    "NonFinitePolicy",
     "Phase",
     "Quantized",
     "Recipe",

@@ -38,9 +38,9 @@ import attrs
 import torch
 from torch import Tensor
 
-from scalestate.finegrained import apply_tile_scales
-from scalestate.quantized import Quantized
+from scalestate.quantized import Orientation, Quantized
 from scalestate.recipe import Recipe, Role
+from scalestate.tiles import apply_tile_scales
 
 __all__ = ["COUNT_FIELDS", "RiskFlag", "ScalingStats", "SlotStats", "build_stats", "cast_counts"]
 
@@ -226,20 +226,19 @@ def cast_counts(x: Tensor, q: Quantized, fp8_max: float) -> tuple[int, Tensor]:
     does not count twice. No host-device sync.
     """
     xf = x.detach().float()
-    n, counts = _orientation(xf, q.data, q.scale, q.tile, fp8_max)
-    if q.transposed is not None and q.tile is not None and q.tile[0] == 1 and q.t_tile is not None:
-        n_t, counts_t = _orientation(xf.t(), q.transposed, q.t_scale, q.t_tile, fp8_max)
+    primary, other = q.primary, q.other
+    n, counts = _orientation(xf, primary, fp8_max)
+    if other is not None and primary.tile is not None and primary.tile[0] == 1 and other.tile is not None:
+        n_t, counts_t = _orientation(xf.t(), other, fp8_max)
         n, counts = n + n_t, counts + counts_t
     return n, counts
 
 
-def _orientation(
-    xf: Tensor, data: Tensor, scale: Tensor, tile: tuple[int, int] | None, fp8_max: float
-) -> tuple[int, Tensor]:
-    scaled = xf * scale if tile is None else apply_tile_scales(xf, scale, tile)  # a fresh tensor
+def _orientation(xf: Tensor, o: Orientation, fp8_max: float) -> tuple[int, Tensor]:
+    scaled = xf * o.scale if o.tile is None else apply_tile_scales(xf, o.scale, o.tile)  # a fresh tensor
     saturated = torch.count_nonzero(scaled.abs_() > fp8_max)
     nonzero_inputs = torch.count_nonzero(xf)
-    nonzero_codes = torch.count_nonzero(torch.bitwise_and(data.view(torch.uint8), _MAGNITUDE_BITS))
+    nonzero_codes = torch.count_nonzero(torch.bitwise_and(o.data.view(torch.uint8), _MAGNITUDE_BITS))
     return xf.numel(), torch.stack([saturated, nonzero_inputs, nonzero_codes])
 
 

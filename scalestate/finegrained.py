@@ -33,6 +33,14 @@ it; NaN if it holds a NaN):
 A last tile or block that is cut short by the tensor's edge is partial: its
 amax is taken over the elements that exist. Data always has ``x``'s shape.
 
+Each function returns a :class:`FineQuantized`: the
+:class:`~scalestate.Quantized` record every cast makes (one
+:class:`~scalestate.quantized.Orientation`, and a second for
+``columnwise=True``), with the tensor's amax beside it. :func:`quantize`
+dispatches on a :class:`~scalestate.granularity.Granularity`; reading tiled
+data back (:func:`dequantize`, :func:`apply_tile_scales`) and the E8M0 ops
+live in :mod:`scalestate.tiles` and are importable from here too.
+
 Example:
     >>> import torch
     >>> from scalestate.finegrained import quantize_tiles
@@ -47,21 +55,33 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from scalestate.errors import CastError
+from scalestate.granularity import MX_BLOCK, Granularity, GranularityKind
 from scalestate.math import ScaleRule, is_usable_amax, scale_from_amax
+from scalestate.quantized import FP8_MAX, Orientation, Quantized
+from scalestate.tiles import (
+    E8M0_BIAS,
+    apply_tile_scales,
+    dequantize,
+    e8m0_encode,
+    e8m0_from_exponent,
+    e8m0_to_float32,
+)
 
 __all__ = [
     "MX_BLOCK",
     "FineQuantized",
     "Granularity",
+    "GranularityKind",
     "apply_tile_scales",
     "dequantize",
+    "e8m0_from_exponent",
+    "e8m0_to_float32",
     "mx_exponent",
     "quantize",
     "quantize_blocks",
@@ -70,112 +90,67 @@ __all__ = [
     "quantize_tiles",
 ]
 
-#: Elements per scale in MXFP8 (the OCP Microscaling spec's block size).
-MX_BLOCK = 32
-#: E8M0 encodes ``2**e`` for ``e`` in ``[-127, 127]`` as the byte ``e + 127``; 255 is NaN.
-_E8M0_BIAS = 127
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _MANTISSA_BITS = 0x007FFFFF
+#: Every kind :func:`quantize` dispatches on (their string values compare equal).
+_KINDS = frozenset(GranularityKind)
 #: The two scale rules of fine-grained casts, made once (``torch.compile`` cannot trace an attrs ``__init__``).
 _RULES = {False: ScaleRule(), True: ScaleRule(power_of_2=True)}
 
 
-class FineQuantized(NamedTuple):
-    """The result of a fine-grained cast: data, its scales, and the tensor's amax.
+class FineQuantized(Quantized):
+    """The result of a fine-grained cast: a :class:`~scalestate.Quantized` and the tensor's amax.
 
-    ``data ~= x * scale`` with each scale broadcast over its tile; ``tile`` is
-    the ``(rows, columns)`` of ``data`` that one scale covers. The ``t_``
-    fields, present when the cast was asked for ``columnwise=True``, hold the
-    quantization of ``x.t()`` laid out contiguously (shape ``x.t().shape``),
-    with ``t_tile`` the tile of ``t_data``.
+    ``data ~= x * scale`` with each scale broadcast over its ``tile``, the
+    ``(rows, columns)`` of ``data`` that one scale covers. When the cast was
+    asked for ``columnwise=True``, the second orientation (``other``, also
+    ``transposed`` or ``t_data``, with ``t_scale``, ``t_scale_inv`` and
+    ``t_tile``) holds the quantization of ``x.t()`` laid out contiguously
+    (shape ``x.t().shape``).
     """
 
-    #: The FP8 values, shape of ``x``.
-    data: Tensor
-    #: float32 multipliers applied before rounding, one per tile.
-    scale: Tensor
-    #: Dequantization factors: float32 ``reciprocal(scale)``, or E8M0 for MX.
-    scale_inv: Tensor
-    #: 0-d float32: max of ``|x|`` over the whole tensor (NaN if any element is NaN).
-    amax: Tensor
-    #: ``(rows, columns)`` of ``data`` covered by one scale.
-    tile: tuple[int, int]
-    #: Quantized ``x.t()``, contiguous, when asked for; else ``None``.
-    t_data: Tensor | None = None
-    #: Scales of ``t_data`` (for blocks: ``scale.t()``, the same storage).
-    t_scale: Tensor | None = None
-    #: Dequantization factors of ``t_data``.
-    t_scale_inv: Tensor | None = None
-    #: ``(rows, columns)`` of ``t_data`` covered by one scale.
-    t_tile: tuple[int, int] | None = None
+    __slots__ = ("_amax",)
 
-    def dequantize(self) -> Tensor:
-        """``data * scale_inv`` in float32, each factor spread over its tile."""
-        return dequantize(self.data, self.scale_inv, self.tile)
+    _amax: Tensor
+
+    def __init__(self, primary: Orientation, other: Orientation | None, amax: Tensor) -> None:
+        self._fill(primary, other)
+        object.__setattr__(self, "_amax", amax)
+
+    @property
+    def amax(self) -> Tensor:
+        """0-d float32: max of ``|x|`` over the whole tensor (NaN if any element is NaN)."""
+        return self._amax
+
+    @property
+    def t_data(self) -> Tensor | None:
+        """Quantized ``x.t()``, contiguous, when asked for (``transposed``); else ``None``."""
+        return self.transposed
+
+    @property
+    def quantized(self) -> Quantized:
+        """The two orientations without the amax: what a backend's cast returns."""
+        return Quantized.of(self.primary, self.other)
 
     def dequantize_t(self) -> Tensor:
         """``t_data * t_scale_inv`` in float32 (``~= x.t()``)."""
-        if self.t_data is None or self.t_scale_inv is None or self.t_tile is None:
+        if self.other is None:
             raise CastError("this cast holds no columnwise data; quantize with columnwise=True")
-        return dequantize(self.t_data, self.t_scale_inv, self.t_tile)
-
-
-class Granularity(NamedTuple):
-    """Which fine-grained cast a slot makes: what a recipe says for one role.
-
-    ``kind``: ``"row"`` (:func:`quantize_rowwise`), ``"tile"``
-    (:func:`quantize_tiles`, ``1 x block``), ``"block"`` (:func:`quantize_blocks`,
-    ``block x block``) or ``"mx"`` (:func:`quantize_mx`, ``block`` elements, E8M0).
-    """
-
-    kind: Literal["row", "tile", "block", "mx"]
-    #: Elements per scale along a row (``"row"``: unused, 0).
-    block: int = 0
-    #: Round scales down to powers of two (``"mx"``: always powers of two).
-    power_of_2: bool = False
+        return self.other.dequantize()
 
 
 def quantize(x: Tensor, dtype: torch.dtype, granularity: Granularity, *, columnwise: bool = False) -> FineQuantized:
-    """The fine-grained cast ``granularity`` names (see :class:`Granularity`)."""
+    """The fine-grained cast ``granularity`` names (see :class:`~scalestate.granularity.Granularity`)."""
     kind, block, power_of_2 = granularity
-    if kind == "row":
+    if kind not in _KINDS:
+        kinds = ", ".join(f"GranularityKind.{k.name}" for k in GranularityKind)
+        raise CastError(f"unknown granularity kind {kind!r}; expected one of {kinds}")
+    if kind == GranularityKind.ROW:
         return quantize_rowwise(x, dtype, power_of_2=power_of_2, columnwise=columnwise)
-    if kind == "tile":
+    if kind == GranularityKind.TILE:
         return quantize_tiles(x, dtype, block=block, power_of_2=power_of_2, columnwise=columnwise)
-    if kind == "block":
+    if kind == GranularityKind.BLOCK:
         return quantize_blocks(x, dtype, block=block, power_of_2=power_of_2, columnwise=columnwise)
-    if kind == "mx":
-        return quantize_mx(x, dtype, block=block, columnwise=columnwise)
-    raise CastError(f"unknown granularity {kind!r}; expected 'row', 'tile', 'block' or 'mx'")
-
-
-def dequantize(data: Tensor, scale_inv: Tensor, tile: tuple[int, int]) -> Tensor:
-    """``data * scale_inv`` in float32, each factor repeated over its ``tile``.
-
-    Args:
-        data: FP8 values of shape ``(..., M, K)`` (or ``(K,)`` for 1-row tiles).
-        scale_inv: one factor per tile, shape ``(..., ceil(M / rows), ceil(K / columns))``;
-            float32 or E8M0 (converted to float32 exactly).
-        tile: ``(rows, columns)`` of ``data`` covered by one factor; partial
-            tiles at the edges take their factor like whole ones.
-    """
-    return apply_tile_scales(data.float(), scale_inv, tile)
-
-
-def apply_tile_scales(values: Tensor, scale_inv: Tensor, tile: tuple[int, int]) -> Tensor:
-    """:func:`dequantize` of FP8 data already converted to float32 (``values``), exactly."""
-    rows, cols = tile
-    s = _e8m0_decode(scale_inv) if scale_inv.dtype == torch.float8_e8m0fnu else scale_inv.float()
-    if values.dim() >= 2 and values.numel() and values.shape[-2] % rows == 0 and values.shape[-1] % cols == 0:
-        # Whole tiles: broadcast each factor over a tile view (no repeated copy of the scales).
-        *lead, m, k = values.shape
-        tiles = values.reshape(*lead, m // rows, rows, k // cols, cols)
-        return (tiles * s[..., :, None, :, None]).reshape(values.shape)
-    if cols > 1:
-        s = s.repeat_interleave(cols, dim=-1)[..., : values.shape[-1]]
-    if rows > 1:
-        s = s.repeat_interleave(rows, dim=-2)[..., : values.shape[-2], :]
-    return values * s
+    return quantize_mx(x, dtype, block=block, columnwise=columnwise)
 
 
 def quantize_rowwise(
@@ -192,12 +167,11 @@ def quantize_rowwise(
     fp8_max = _fp8_max(dtype)
     _check_input(x, 1, columnwise, "quantize_rowwise")
     rule = _RULES[power_of_2]
-    row = _lastdim(x, fp8_max, dtype, rule, block=max(x.shape[-1], 1), n_tiles=1)
+    row, amax = _lastdim(x, fp8_max, dtype, rule, block=max(x.shape[-1], 1), n_tiles=1, tile=(1, x.shape[-1]))
     if not columnwise:
-        return FineQuantized(*row, tile=(1, x.shape[-1]))
-    col = _lastdim(x.t(), fp8_max, dtype, rule, block=max(x.shape[0], 1), n_tiles=1)
-    return FineQuantized(*row, tile=(1, x.shape[-1]), t_data=col[0], t_scale=col[1],
-                         t_scale_inv=col[2], t_tile=(1, x.shape[0]))
+        return FineQuantized(row, None, amax)
+    col, _ = _lastdim(x.t(), fp8_max, dtype, rule, block=max(x.shape[0], 1), n_tiles=1, tile=(1, x.shape[0]))
+    return FineQuantized(row, col, amax)
 
 
 def quantize_tiles(
@@ -216,12 +190,11 @@ def quantize_tiles(
     _check_input(x, 1, columnwise, "quantize_tiles")
     _check_block(block)
     rule = _RULES[power_of_2]
-    row = _lastdim(x, fp8_max, dtype, rule, block=block, n_tiles=-(-x.shape[-1] // block))
+    row, amax = _lastdim(x, fp8_max, dtype, rule, block=block, n_tiles=-(-x.shape[-1] // block), tile=(1, block))
     if not columnwise:
-        return FineQuantized(*row, tile=(1, block))
-    col = _lastdim(x.t(), fp8_max, dtype, rule, block=block, n_tiles=-(-x.shape[0] // block))
-    return FineQuantized(*row, tile=(1, block), t_data=col[0], t_scale=col[1], t_scale_inv=col[2],
-                         t_tile=(1, block))
+        return FineQuantized(row, None, amax)
+    col, _ = _lastdim(x.t(), fp8_max, dtype, rule, block=block, n_tiles=-(-x.shape[0] // block), tile=(1, block))
+    return FineQuantized(row, col, amax)
 
 
 def quantize_blocks(
@@ -254,12 +227,12 @@ def quantize_blocks(
     scaled = (tiles * scale[:, :, None, :, None]).view(w3.shape)[:, :m, :k]
     data = _saturate(scaled, fp8_max, dtype).reshape(w.shape)
     scale = scale.reshape(*lead, mt, kt)
-    scale_inv = torch.reciprocal(scale)
+    rows = Orientation(data, scale, torch.reciprocal(scale), (block, block))
     amax = _total_amax(tile_amax)
     if not columnwise:
-        return FineQuantized(data, scale, scale_inv, amax, tile=(block, block))
-    return FineQuantized(data, scale, scale_inv, amax, tile=(block, block), t_data=data.t().contiguous(),
-                         t_scale=scale.t(), t_scale_inv=scale_inv.t(), t_tile=(block, block))
+        return FineQuantized(rows, None, amax)
+    columns = Orientation(data.t().contiguous(), rows.scale.t(), rows.scale_inv.t(), (block, block))
+    return FineQuantized(rows, columns, amax)
 
 
 def quantize_mx(
@@ -282,12 +255,11 @@ def quantize_mx(
     fp8_max = _fp8_max(dtype)
     _check_input(x, 1, columnwise, "quantize_mx")
     _check_block(block)
-    row = _lastdim(x, fp8_max, dtype, None, block=block, n_tiles=-(-x.shape[-1] // block))
+    row, amax = _lastdim(x, fp8_max, dtype, None, block=block, n_tiles=-(-x.shape[-1] // block), tile=(1, block))
     if not columnwise:
-        return FineQuantized(*row, tile=(1, block))
-    col = _lastdim(x.t(), fp8_max, dtype, None, block=block, n_tiles=-(-x.shape[0] // block))
-    return FineQuantized(*row, tile=(1, block), t_data=col[0], t_scale=col[1], t_scale_inv=col[2],
-                         t_tile=(1, block))
+        return FineQuantized(row, None, amax)
+    col, _ = _lastdim(x.t(), fp8_max, dtype, None, block=block, n_tiles=-(-x.shape[0] // block), tile=(1, block))
+    return FineQuantized(row, col, amax)
 
 
 def mx_exponent(amax: Tensor, fp8_max: float) -> Tensor:
@@ -322,13 +294,14 @@ def mx_exponent(amax: Tensor, fp8_max: float) -> Tensor:
     f_bits = round((2 * f_mantissa - 1) * 2**23)
     above = torch.bitwise_and(bits, _MANTISSA_BITS) > f_bits
     e = exponent - (f_exponent - 1) + above.int()
-    return torch.where(usable, e.clamp(-_E8M0_BIAS, _E8M0_BIAS), 0).int()
+    return torch.where(usable, e.clamp(-E8M0_BIAS, E8M0_BIAS), 0).int()
 
 
 def _lastdim(
-    x: Tensor, fp8_max: float, dtype: torch.dtype, rule: ScaleRule | None, *, block: int, n_tiles: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(data, scale, scale_inv, amax)`` with one scale per ``block`` elements of the last dim.
+    x: Tensor, fp8_max: float, dtype: torch.dtype, rule: ScaleRule | None, *, block: int, n_tiles: int,
+    tile: tuple[int, int],
+) -> tuple[Orientation, Tensor]:
+    """The orientation with one scale per ``block`` elements of the last dim (``tile``), and the amax.
 
     ``rule`` is ``None`` for MX (power-of-two E8M0 factors).
     """
@@ -340,55 +313,14 @@ def _lastdim(
     if rule is None:
         e = mx_exponent(tile_amax, fp8_max)
         scale = _pow2(-e)
-        scale_inv = _e8m0_encode(e)
+        scale_inv = e8m0_encode(e)
     else:
         scale = scale_from_amax(tile_amax, fp8_max, rule)
         scale_inv = torch.reciprocal(scale)
     scaled = (tiles * scale.unsqueeze(-1)).view(x2.shape)[:, :k]
     data = _saturate(scaled, fp8_max, dtype).reshape(x.shape)
     shape = (*lead, n_tiles)
-    return data, scale.reshape(shape), scale_inv.reshape(shape), _total_amax(tile_amax)
-
-
-# E8M0 in and out as custom ops: torch.compile's CPU code generator has no E8M0 type,
-# so these stay opaque calls (eager kernels) inside compiled graphs.
-@torch.library.custom_op("scalestate::e8m0_from_exponent", mutates_args=())
-def e8m0_from_exponent(e: Tensor) -> Tensor:
-    """The E8M0 encoding of ``2**e`` for int32 ``e`` in ``[-127, 127]`` (the biased byte ``e + 127``)."""
-    return (e + _E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu).clone()
-
-
-@e8m0_from_exponent.register_fake
-def _(e: Tensor) -> Tensor:
-    return torch.empty_like(e, dtype=torch.float8_e8m0fnu)
-
-
-@torch.library.custom_op("scalestate::e8m0_to_float32", mutates_args=())
-def e8m0_to_float32(s: Tensor) -> Tensor:
-    """E8M0 values as float32, exactly (``2**e``; the byte 255 is NaN)."""
-    return s.float()
-
-
-@e8m0_to_float32.register_fake
-def _(s: Tensor) -> Tensor:
-    return torch.empty_like(s, dtype=torch.float32)
-
-
-def _e8m0_encode(e: Tensor) -> Tensor:
-    """:func:`e8m0_from_exponent`, called as an op only while compiling (a custom op costs
-    tens of microseconds of dispatch in eager code)."""
-    if torch.compiler.is_compiling():
-        encoded: Tensor = e8m0_from_exponent(e)
-        return encoded
-    return (e + _E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
-def _e8m0_decode(s: Tensor) -> Tensor:
-    """:func:`e8m0_to_float32`, called as an op only while compiling."""
-    if torch.compiler.is_compiling():
-        decoded: Tensor = e8m0_to_float32(s)
-        return decoded
-    return s.float()
+    return Orientation(data, scale.reshape(shape), scale_inv.reshape(shape), tile), _total_amax(tile_amax)
 
 
 def _pow2(n: Tensor) -> Tensor:
@@ -418,7 +350,7 @@ def _total_amax(tile_amax: Tensor) -> Tensor:
 
 def _fp8_max(dtype: torch.dtype) -> float:
     try:
-        return _FP8_MAX[dtype]
+        return FP8_MAX[dtype]
     except KeyError:
         raise CastError(
             f"fine-grained casts need torch.float8_e4m3fn or torch.float8_e5m2; got {dtype}"

@@ -17,9 +17,9 @@ from scalestate._engine.stepping import run_step
 from scalestate.backends import Backend, CastSpec
 from scalestate.diagnostics import ScalingStats, build_stats
 from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
-from scalestate.errors import ArgumentTypeError, ArgumentValueError, PhaseError, ScaleStateError, SlotError
+from scalestate.errors import ArgumentTypeError, PhaseError, ScaleStateError, SlotError
 from scalestate.handle import ScalingHandle
-from scalestate.nonfinite import NONFINITE_POLICIES, NonFinitePolicy
+from scalestate.nonfinite import NonFinitePolicy, NonFinitePolicyName, parse_policy
 from scalestate.persist import recipe_to_dict, to_state_dict, validate
 from scalestate.phase import Phase
 from scalestate.quantized import Quantized
@@ -62,7 +62,8 @@ class ScalingStateManager:
             ``torch.distributed`` is initialized at the step, none otherwise;
             ``None`` turns reduction off. See :mod:`scalestate.distributed`.
         on_nonfinite: what :meth:`step` does with a slot whose step amax is NaN
-            or infinite. ``"skip"``: the slot keeps its history and scale for
+            or infinite: a :class:`~scalestate.NonFinitePolicy` or its string
+            value. ``"skip"``: the slot keeps its history and scale for
             that step. ``"raise"``: :meth:`step` raises
             :class:`~scalestate.errors.NonFiniteAmaxError` and changes nothing
             (it reads one flag back to the host every step: a device sync).
@@ -105,19 +106,15 @@ class ScalingStateManager:
         device: torch.device | str | None = None,
         debug: bool = False,
         group: GroupSpec = DEFAULT_GROUP,
-        on_nonfinite: NonFinitePolicy = "skip",
+        on_nonfinite: NonFinitePolicy | NonFinitePolicyName = "skip",
         collect_stats: bool = False,
     ) -> None:
         if not isinstance(recipe, RECIPES):
             names = ", ".join(f"ss.{cls.__name__}(...)" for cls in RECIPES)
             raise ArgumentTypeError(f"recipe must be one of {names}; got {recipe!r}")
-        if on_nonfinite not in NONFINITE_POLICIES:
-            raise ArgumentValueError(
-                f"on_nonfinite must be one of {', '.join(map(repr, NONFINITE_POLICIES))}; got {on_nonfinite!r}"
-            )
+        self._on_nonfinite: NonFinitePolicy = parse_policy(on_nonfinite)
         if not isinstance(collect_stats, bool):
             raise ArgumentTypeError(f"collect_stats must be True or False; got {collect_stats!r}")
-        self._on_nonfinite: NonFinitePolicy = on_nonfinite
         #: The last step() raised: the step may be discarded or a state loaded mid-step.
         self._refused = False
         dev = canonical_device(device) if device is not None else None
@@ -172,7 +169,7 @@ class ScalingStateManager:
 
     @property
     def on_nonfinite(self) -> NonFinitePolicy:
-        """The non-finite policy (``"fallback"``: a step may zero a slot's history)."""
+        """The non-finite policy, a :class:`~scalestate.NonFinitePolicy` (``FALLBACK``: a step may zero histories)."""
         return self._on_nonfinite
 
     @property

@@ -12,20 +12,64 @@ non-finite amax yield a non-finite or zero scale.
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from torch import Tensor
 
-from scalestate.errors import NonFiniteAmaxError
+from scalestate.errors import ArgumentValueError, NonFiniteAmaxError
 from scalestate.math import nonfinite_mask
 
 if TYPE_CHECKING:
     from scalestate._engine.state import State
 
-__all__ = ["NONFINITE_POLICIES", "NonFinitePolicy", "refuse_nonfinite"]
+__all__ = ["NONFINITE_POLICIES", "NonFinitePolicy", "NonFinitePolicyName", "parse_policy", "refuse_nonfinite"]
 
-NonFinitePolicy: TypeAlias = Literal["skip", "raise", "fallback"]
-NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = ("skip", "raise", "fallback")
+
+class NonFinitePolicy(str, enum.Enum):
+    """What ``step()`` does with a slot whose step amax is NaN or infinite.
+
+    ``ScalingStateManager(on_nonfinite=...)`` takes a member or its string
+    value (``"skip"``) and holds the member. A ``str`` enum: each member equals
+    its value (``NonFinitePolicy.SKIP == "skip"``).
+
+    Example:
+        >>> import scalestate as ss
+        >>> m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", on_nonfinite="fallback")
+        >>> m.on_nonfinite is ss.NonFinitePolicy.FALLBACK, m.on_nonfinite == "fallback"
+        (True, True)
+    """
+
+    #: Keep the slot's history and scale for that step (counted).
+    SKIP = "skip"
+    #: Raise :class:`~scalestate.errors.NonFiniteAmaxError` and change nothing.
+    RAISE = "raise"
+    #: Forget the slot's history; scale just in time until a finite step (counted).
+    FALLBACK = "fallback"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The string values ``on_nonfinite`` also accepts.
+NonFinitePolicyName: TypeAlias = Literal["skip", "raise", "fallback"]
+#: Every policy, in the order messages list them.
+NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = tuple(NonFinitePolicy)
+
+
+def parse_policy(value: NonFinitePolicy | NonFinitePolicyName) -> NonFinitePolicy:
+    """The member ``value`` names (a member, or its string value).
+
+    Raises:
+        ArgumentValueError: ``value`` is neither; the message lists the policies.
+    """
+    if isinstance(value, str):
+        try:
+            return NonFinitePolicy(value)
+        except ValueError:
+            pass
+    names = ", ".join(repr(p.value) for p in NONFINITE_POLICIES)
+    raise ArgumentValueError(f"on_nonfinite must be one of {names}; got {value!r}")
 
 
 def refuse_nonfinite(state: State, step_amax: Tensor) -> None:

@@ -1,19 +1,69 @@
-"""`Quantized`: FP8 data that carries the scale it was cast with."""
+"""`Quantized`: FP8 data that carries the scale it was cast with.
+
+One record for every cast, per-tensor or fine-grained: an :class:`Orientation`
+(FP8 data, its scales, the tile one scale covers) and, where the cast made
+it, a second orientation, the quantization of ``x.t()`` that the GEMMs
+contracting over the other axis take.
+"""
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
 
 from scalestate.errors import CastError, ReadOnlyError
-from scalestate.finegrained import dequantize as fine_dequantize
+from scalestate.tiles import dequantize as tile_dequantize
 
-__all__ = ["FP8_DTYPES", "Quantized"]
+__all__ = ["FP8_DTYPES", "FP8_MAX", "Orientation", "Quantized", "QuantizedLayout"]
 
+#: The largest finite value of each float8 dtype a ``Quantized`` may hold: the one table of them.
+FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 #: The float8 dtypes a ``Quantized`` may hold.
-FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+FP8_DTYPES = frozenset(FP8_MAX)
+
+#: ``(rows, columns)`` of the data one scale covers; ``None``: one 0-d scale for the whole tensor.
+Tile = tuple[int, int] | None
+
+
+class Orientation(NamedTuple):
+    """One orientation of a quantized tensor: FP8 data with the scales it was cast with.
+
+    ``data ~= x * scale``, each scale spread over its ``tile`` of ``data``
+    (``tile`` ``None``: one 0-d scale). ``scale_inv`` is
+    ``torch.reciprocal(scale)`` in float32, or E8M0 for MX.
+    """
+
+    #: The FP8 values.
+    data: Tensor
+    #: float32: the multipliers applied before rounding.
+    scale: Tensor
+    #: Multiply ``data`` by them (each over its tile) to get back the cast values.
+    scale_inv: Tensor
+    #: ``(rows, columns)`` of ``data`` one scale covers; ``None`` for one 0-d scale.
+    tile: Tile = None
+
+    def t(self) -> Orientation:
+        """The same values as ``x.t()``: the view ``data.t()``, with the scales and the tile transposed."""
+        return Orientation(self.data.t(), _t(self.scale), _t(self.scale_inv), _swap(self.tile))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``data * scale_inv`` in ``dtype`` (computed in float32), each factor spread over its tile."""
+        if self.tile is None:
+            return (self.data.float() * self.scale_inv).to(dtype)
+        return tile_dequantize(self.data, self.scale_inv, self.tile).to(dtype)
+
+
+class QuantizedLayout(NamedTuple):
+    """What rebuilds a :class:`Quantized` from the tensors of :meth:`Quantized.flatten`: no tensors."""
+
+    #: The tile of the first orientation.
+    tile: Tile
+    #: Whether a second orientation follows, and its tile.
+    has_other: bool
+    #: The tile of the second orientation (``None`` when there is none or it is per tensor).
+    other_tile: Tile
 
 
 class Quantized:
@@ -40,6 +90,13 @@ class Quantized:
     tiles or MX blocks it is a second quantization with its own ``t_scale``,
     ``t_scale_inv`` and ``t_tile``.
 
+    The record behind these fields is a pair of :class:`Orientation` records:
+    :attr:`primary` (``data``, ``scale``, ``scale_inv``, ``tile``) and
+    :attr:`other` (``transposed``, ``t_scale``, ``t_scale_inv``, ``t_tile``;
+    ``None`` without ``transposed``). A backend builds one with
+    :meth:`of`; :meth:`flatten` and :meth:`unflatten` turn it into tensors
+    and back (for ``save_for_backward``).
+
     A plain object of tensors, read-only, which ``torch.compile`` traces.
 
     Args:
@@ -62,26 +119,14 @@ class Quantized:
         >>> q = h.quantize(torch.tensor([1.0, -2.0, 0.5]), ss.Role.INPUT)
         >>> q.data.dtype, q.scale, q.dequantize()
         (torch.float8_e4m3fn, tensor(224.), tensor([ 1.0000, -2.0000,  0.5000]))
+        >>> q.primary.data is q.data, q.other is None
+        (True, True)
     """
 
-    __slots__ = ("data", "scale", "scale_inv", "t_scale", "t_scale_inv", "t_tile", "tile", "transposed")
+    __slots__ = ("_other", "_primary")
 
-    #: The FP8 values.
-    data: Tensor
-    #: float32: the multiplier applied before rounding (``data ~= x * scale``).
-    scale: Tensor
-    #: float32: multiply ``data`` by it to get back the cast values.
-    scale_inv: Tensor
-    #: ``x.t()`` quantized along its rows, contiguous, if the cast made it; else ``None``.
-    transposed: Tensor | None
-    #: ``(rows, columns)`` of ``data`` one scale covers; ``None`` for one 0-d scale.
-    tile: tuple[int, int] | None
-    #: Scales of ``transposed`` (``scale`` itself, or transposed, where they are shared).
-    t_scale: Tensor
-    #: Dequantization factors of ``transposed``.
-    t_scale_inv: Tensor
-    #: Tile of ``transposed``.
-    t_tile: tuple[int, int] | None
+    _primary: Orientation
+    _other: Orientation | None
 
     def __init__(
         self,
@@ -90,46 +135,142 @@ class Quantized:
         scale: Tensor | None = None,
         scale_inv: Tensor | None = None,
         transposed: Tensor | None = None,
-        tile: tuple[int, int] | None = None,
+        tile: Tile = None,
         t_scale: Tensor | None = None,
         t_scale_inv: Tensor | None = None,
-        t_tile: tuple[int, int] | None = None,
+        t_tile: Tile = None,
     ) -> None:
-        if data.dtype not in FP8_DTYPES:
-            raise CastError(
-                f"Quantized data must be torch.float8_e4m3fn or torch.float8_e5m2; got {data.dtype}"
-            )
         if scale is None:
             if scale_inv is None:
                 raise CastError("Quantized needs scale or scale_inv (or both); got neither")
             scale = torch.reciprocal(scale_inv)
         elif scale_inv is None:
             scale_inv = torch.reciprocal(scale)
-        set_ = object.__setattr__
-        set_(self, "data", data)
-        set_(self, "scale", scale)
-        set_(self, "scale_inv", scale_inv)
-        set_(self, "transposed", transposed)
-        set_(self, "tile", tile)
-        set_(self, "t_scale", _t(scale) if t_scale is None else t_scale)
-        set_(self, "t_scale_inv", _t(scale_inv) if t_scale_inv is None else t_scale_inv)
-        set_(self, "t_tile", _swap(tile) if t_tile is None else t_tile)
+        primary = Orientation(data, scale, scale_inv, tile)
+        other = None
+        if transposed is not None:
+            other = Orientation(
+                transposed,
+                _t(scale) if t_scale is None else t_scale,
+                _t(scale_inv) if t_scale_inv is None else t_scale_inv,
+                _swap(tile) if t_tile is None else t_tile,
+            )
+        self._fill(primary, other)
 
-    def __setattr__(self, name: str, value: Any) -> NoReturn:
-        raise ReadOnlyError(f"Quantized is read-only; cannot set {name!r}")
+    @staticmethod
+    def of(primary: Orientation, other: Orientation | None = None) -> Quantized:
+        """The ``Quantized`` of one orientation (``data``, ``scale``, ``scale_inv``, ``tile``)
+        and, optionally, the other one (``transposed``, ``t_scale``, ``t_scale_inv``, ``t_tile``).
 
-    def __delattr__(self, name: str) -> NoReturn:
-        raise ReadOnlyError(f"Quantized is read-only; cannot delete {name!r}")
+        Example:
+            >>> import torch
+            >>> from scalestate.quantized import Orientation, Quantized
+            >>> s = torch.tensor(2.0)
+            >>> q = Quantized.of(Orientation(torch.ones(2, 3).to(torch.float8_e4m3fn), s, 1 / s))
+            >>> q.scale_inv, q.tile, q.transposed
+            (tensor(0.5000), None, None)
+        """
+        q = object.__new__(Quantized)
+        q._fill(primary, other)
+        return q
+
+    def _fill(self, primary: Orientation, other: Orientation | None) -> None:
+        """Check the FP8 dtype and set the two orientations of a new instance (also of a subclass's)."""
+        if primary.data.dtype not in FP8_DTYPES:
+            raise CastError(
+                f"Quantized data must be torch.float8_e4m3fn or torch.float8_e5m2; got {primary.data.dtype}"
+            )
+        object.__setattr__(self, "_primary", primary)
+        object.__setattr__(self, "_other", other)
+
+    # ----------------------------------------------------------------- the record
+
+    @property
+    def primary(self) -> Orientation:
+        """The orientation of ``data``: ``(data, scale, scale_inv, tile)``."""
+        return self._primary
+
+    @property
+    def other(self) -> Orientation | None:
+        """The quantization of ``x.t()``, ``(transposed, t_scale, t_scale_inv, t_tile)``, if the cast made it."""
+        return self._other
+
+    def flatten(self) -> tuple[tuple[Tensor, ...], QuantizedLayout]:
+        """The tensors of this quantization (3, or 6 with the other orientation) and what rebuilds it.
+
+        ``Quantized.unflatten(*q.flatten())`` holds the very same tensors.
+        """
+        p, o = self._primary, self._other
+        if o is None:
+            return (p.data, p.scale, p.scale_inv), QuantizedLayout(p.tile, False, None)
+        return (p.data, p.scale, p.scale_inv, o.data, o.scale, o.scale_inv), QuantizedLayout(p.tile, True, o.tile)
+
+    @staticmethod
+    def unflatten(tensors: tuple[Tensor, ...], layout: QuantizedLayout) -> Quantized:
+        """The ``Quantized`` that :meth:`flatten` gave ``tensors`` and ``layout`` for."""
+        primary = Orientation(tensors[0], tensors[1], tensors[2], layout.tile)
+        other = Orientation(tensors[3], tensors[4], tensors[5], layout.other_tile) if layout.has_other else None
+        return Quantized.of(primary, other)
+
+    # ----------------------------------------------------------------- public fields
+
+    @property
+    def data(self) -> Tensor:
+        """The FP8 values."""
+        return self._primary.data
+
+    @property
+    def scale(self) -> Tensor:
+        """float32: the multiplier applied before rounding (``data ~= x * scale``)."""
+        return self._primary.scale
+
+    @property
+    def scale_inv(self) -> Tensor:
+        """float32 (E8M0 for MX): multiply ``data`` by it to get back the cast values."""
+        return self._primary.scale_inv
+
+    @property
+    def tile(self) -> Tile:
+        """``(rows, columns)`` of ``data`` one scale covers; ``None`` for one 0-d scale."""
+        return self._primary.tile
+
+    @property
+    def transposed(self) -> Tensor | None:
+        """``x.t()`` quantized along its rows, contiguous, if the cast made it; else ``None``."""
+        return None if self._other is None else self._other.data
+
+    @property
+    def t_scale(self) -> Tensor:
+        """Scales of ``transposed`` (``scale`` itself, or transposed, where they are shared)."""
+        return _t(self._primary.scale) if self._other is None else self._other.scale
+
+    @property
+    def t_scale_inv(self) -> Tensor:
+        """Dequantization factors of ``transposed``."""
+        return _t(self._primary.scale_inv) if self._other is None else self._other.scale_inv
+
+    @property
+    def t_tile(self) -> Tile:
+        """Tile of ``transposed``."""
+        return _swap(self._primary.tile) if self._other is None else self._other.tile
 
     @property
     def shape(self) -> torch.Size:
         """Shape of ``data``."""
-        return self.data.shape
+        return self._primary.data.shape
 
     @property
     def dtype(self) -> torch.dtype:
         """FP8 dtype of ``data``."""
-        return self.data.dtype
+        return self._primary.data.dtype
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        raise ReadOnlyError(f"{type(self).__name__} is read-only; cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise ReadOnlyError(f"{type(self).__name__} is read-only; cannot delete {name!r}")
+
+    # ----------------------------------------------------------------- views
 
     def t(self) -> Quantized:
         """The quantization of ``x.t()``, with no copy.
@@ -139,20 +280,17 @@ class Quantized:
         Otherwise its ``data`` is the view ``data.t()``, with the scales and
         the tile transposed: the same values, scaled along the first dimension.
         """
-        if self.data.dim() != 2:
-            raise CastError(f"Quantized.t() needs 2-d data; got shape {tuple(self.data.shape)}")
-        if self.transposed is not None:
-            return Quantized(
-                self.transposed, scale=self.t_scale, scale_inv=self.t_scale_inv, transposed=self.data,
-                tile=self.t_tile, t_scale=self.scale, t_scale_inv=self.scale_inv, t_tile=self.tile,
-            )
-        return Quantized(self.data.t(), scale=_t(self.scale), scale_inv=_t(self.scale_inv), tile=_swap(self.tile))
+        if self._primary.data.dim() != 2:
+            raise CastError(f"Quantized.t() needs 2-d data; got shape {tuple(self._primary.data.shape)}")
+        if self._other is not None:
+            return Quantized.of(self._other, self._primary)
+        return Quantized.of(self._primary.t())
 
     def rowwise(self) -> Quantized:
         """Only the orientation of ``data`` (scaled along its last dimension where tiled)."""
-        if self.transposed is None:
+        if self._other is None:
             return self
-        return Quantized(self.data, scale=self.scale, scale_inv=self.scale_inv, tile=self.tile)
+        return Quantized.of(self._primary)
 
     def columnwise(self) -> Quantized:
         """Only the quantization of ``x.t()`` (``transposed``), as a ``Quantized`` of its own.
@@ -160,11 +298,12 @@ class Quantized:
         Without ``transposed``, the view :meth:`t` where one set of scales
         serves both orientations (per-tensor scales, square blocks).
         """
-        if self.transposed is not None:
-            return Quantized(self.transposed, scale=self.t_scale, scale_inv=self.t_scale_inv, tile=self.t_tile)
-        if self.tile is not None and self.tile[0] != self.tile[1]:
+        if self._other is not None:
+            return Quantized.of(self._other)
+        tile = self._primary.tile
+        if tile is not None and tile[0] != tile[1]:
             raise CastError(
-                f"this Quantized is scaled in {self.tile[0]} x {self.tile[1]} tiles and holds no "
+                f"this Quantized is scaled in {tile[0]} x {tile[1]} tiles and holds no "
                 "columnwise quantization; cast with transpose=True"
             )
         return self.t()
@@ -172,20 +311,19 @@ class Quantized:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """``data * scale_inv`` in ``dtype`` (computed in float32), each factor spread over its tile:
         the orientation scaled along the last dimension."""
-        if self.tile is None:
-            return (self.data.float() * self.scale_inv).to(dtype)
-        return fine_dequantize(self.data, self.scale_inv, self.tile).to(dtype)
+        return self._primary.dequantize(dtype)
 
     def __repr__(self) -> str:
-        scale = f"{self.scale.item():g}" if self.scale.numel() == 1 else f"shape {tuple(self.scale.shape)}"
-        extra = ", transposed" if self.transposed is not None else ""
-        tile = "" if self.tile is None else f", tile={self.tile}"
-        return f"<Quantized({tuple(self.data.shape)}, {self.data.dtype}, scale={scale}{tile}{extra})>"
+        p = self._primary
+        scale = f"{p.scale.item():g}" if p.scale.numel() == 1 else f"shape {tuple(p.scale.shape)}"
+        extra = ", transposed" if self._other is not None else ""
+        tile = "" if p.tile is None else f", tile={p.tile}"
+        return f"<{type(self).__name__}({tuple(p.data.shape)}, {p.data.dtype}, scale={scale}{tile}{extra})>"
 
 
 def _t(scale: Tensor) -> Tensor:
     return scale.t() if scale.dim() == 2 else scale
 
 
-def _swap(tile: tuple[int, int] | None) -> tuple[int, int] | None:
+def _swap(tile: Tile) -> Tile:
     return None if tile is None else (tile[1], tile[0])

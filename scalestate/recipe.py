@@ -19,8 +19,9 @@ import attrs
 import torch
 
 from scalestate.errors import RecipeError
-from scalestate.finegrained import MX_BLOCK, Granularity
+from scalestate.granularity import MX_BLOCK, Granularity, GranularityKind
 from scalestate.math import FLOAT32_MAX, FLOAT32_TINY, ScaleRule
+from scalestate.quantized import FP8_MAX
 
 __all__ = [
     "BlockScaling",
@@ -29,6 +30,7 @@ __all__ = [
     "Direction",
     "Format",
     "Granularity",
+    "GranularityKind",
     "MXFP8Scaling",
     "Recipe",
     "Role",
@@ -75,13 +77,10 @@ class Format(enum.Enum):
         return torch.float8_e5m2
 
 
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
-
 def fp8_max(dtype: torch.dtype) -> float:
     """The largest finite value of a float8 dtype (E4M3: 448, E5M2: 57344)."""
     try:
-        return _FP8_MAX[dtype]
+        return FP8_MAX[dtype]
     except KeyError:
         raise RecipeError(
             f"expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
@@ -302,7 +301,7 @@ class RowwiseScaling(_JustInTime):
     Example:
         >>> import scalestate as ss
         >>> ss.RowwiseScaling().granularity(ss.Role.WEIGHT)
-        Granularity(kind='row', block=0, power_of_2=False)
+        Granularity(kind=<GranularityKind.ROW: 'row'>, block=0, power_of_2=False)
     """
 
     #: FP8 format of forward and backward casts.
@@ -312,7 +311,7 @@ class RowwiseScaling(_JustInTime):
 
     def granularity(self, role: Role) -> Granularity:
         """One scale per row, for every role."""
-        return Granularity("row", 0, self.power_of_2)
+        return Granularity(GranularityKind.ROW, 0, self.power_of_2)
 
 
 @attrs.frozen
@@ -325,8 +324,8 @@ class BlockScaling(_JustInTime):
     Example:
         >>> import scalestate as ss
         >>> r = ss.BlockScaling()
-        >>> r.granularity(ss.Role.INPUT).kind, r.granularity(ss.Role.WEIGHT).kind
-        ('tile', 'block')
+        >>> [str(r.granularity(role).kind) for role in (ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT)]
+        ['tile', 'block', 'tile']
     """
 
     #: FP8 format of forward and backward casts.
@@ -338,7 +337,8 @@ class BlockScaling(_JustInTime):
 
     def granularity(self, role: Role) -> Granularity:
         """Tiles for activations and gradients, square blocks for weights."""
-        return Granularity("block" if role is Role.WEIGHT else "tile", self.block, self.power_of_2)
+        kind = GranularityKind.BLOCK if role is Role.WEIGHT else GranularityKind.TILE
+        return Granularity(kind, self.block, self.power_of_2)
 
 
 @attrs.frozen
@@ -352,7 +352,7 @@ class MXFP8Scaling(_JustInTime):
     Example:
         >>> import scalestate as ss
         >>> ss.MXFP8Scaling().granularity(ss.Role.INPUT)
-        Granularity(kind='mx', block=32, power_of_2=True)
+        Granularity(kind=<GranularityKind.MX: 'mx'>, block=32, power_of_2=True)
     """
 
     #: FP8 format of forward and backward casts.
@@ -365,7 +365,7 @@ class MXFP8Scaling(_JustInTime):
 
     def granularity(self, role: Role) -> Granularity:
         """32-element blocks along rows, for every role."""
-        return Granularity("mx", MX_BLOCK, True)
+        return Granularity(GranularityKind.MX, MX_BLOCK, True)
 
 
 Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling | MXFP8Scaling

@@ -13,7 +13,7 @@ I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 NONFINITE = [float("nan"), float("inf"), float("-inf")]
 
 
-def _manager(policy: str) -> tuple[ss.ScalingStateManager, ss.ScalingHandle, ss.ScalingHandle]:
+def _manager(policy: ss.NonFinitePolicy | str) -> tuple[ss.ScalingStateManager, ss.ScalingHandle, ss.ScalingHandle]:
     m = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation", on_nonfinite=policy)
     a = m.register("a", roles=(I, G))
     b = m.register("b", roles=(I,))
@@ -45,6 +45,35 @@ class TestPolicyArgument:
     def test_unknown_policy_lists_the_choices(self):
         with pytest.raises(ScaleStateError, match="'skip', 'raise', 'fallback'; got 'ignore'"):
             ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", on_nonfinite="ignore")  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("policy", list(ss.NonFinitePolicy))
+    def test_string_is_held_as_the_enum(self, policy):
+        """The string value and the member make the same manager; it holds the member, equal to the string."""
+        by_string = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", on_nonfinite=policy.value)
+        by_member = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", on_nonfinite=policy)
+        assert by_string.on_nonfinite is policy and by_member.on_nonfinite is policy
+        assert by_string.on_nonfinite == policy.value and str(by_string.on_nonfinite) == policy.value
+
+    @pytest.mark.parametrize("policy", list(ss.NonFinitePolicy))
+    def test_member_behaves_as_its_string(self, policy):
+        """A step under the member does bitwise what it does under the string (raise included)."""
+        states = []
+        for value in (policy, policy.value):
+            m, a, b = _manager(value)
+            _cast(m, a, b, None)
+            m.step()
+            _cast(m, a, b, float("nan"))
+            if policy is ss.NonFinitePolicy.RAISE:
+                with pytest.raises(NonFiniteAmaxError):
+                    m.step()
+            else:
+                m.step()
+            states.append(_snapshot(m))
+        _assert_same(*states)
+
+    def test_non_string_is_refused(self):
+        with pytest.raises(ScaleStateError, match="got 3"):
+            ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", on_nonfinite=3)  # type: ignore[arg-type]
 
 
 class TestSkip:

@@ -7,7 +7,8 @@ import torch
 
 from scalestate.backends import CastRequest, CastSpec, resolve_backend
 from scalestate.backends.emulation import EmulationBackend
-from scalestate.backends.scaled_mm import ScaledMMBackend, _layout
+from scalestate.backends.scaled_mm import ScaledMMBackend
+from scalestate.backends.scaled_mm.layout import tensorwise_operands
 from scalestate.errors import BackendUnavailableError
 from scalestate.quantized import Quantized
 
@@ -70,10 +71,10 @@ class TestScaledMM:
         zero-padded (the product is unchanged), two E5M2 operands refused."""
         e5 = Quantized(torch.zeros(16, 16, dtype=torch.float8_e5m2), scale_inv=torch.tensor(1.0))
         with pytest.raises(BackendUnavailableError, match="two E5M2"):
-            _layout(e5, e5, pad=True)
+            tensorwise_operands(e5, e5, pad=True)
         a = Quantized(torch.randn(20, 24).to(torch.float8_e4m3fn), scale_inv=torch.tensor(1.0))
         b = Quantized(torch.randn(40, 24).to(torch.float8_e4m3fn), scale_inv=torch.tensor(1.0)).t()
-        pa, pb = _layout(a, b, pad=True)
+        pa, pb = tensorwise_operands(a, b, pad=True)
         assert pa.shape == (20, 32) and pb.shape == (32, 48)
         assert pa.is_contiguous() and pb.t().is_contiguous()
         one = torch.tensor(1.0)

@@ -19,16 +19,18 @@ import scalestate as ss
 from scalestate import backends as registry
 from scalestate.backends import CastRequest, CastSpec, resolve_backend, supports
 from scalestate.backends.emulation import EmulationBackend
-from scalestate.backends.scaled_mm import ScaledMMBackend, _block_args, _rowwise_args, _swizzle_32_4_4
+from scalestate.backends.scaled_mm import ScaledMMBackend
+from scalestate.backends.scaled_mm.layout import block_args, rowwise_args, swizzle_32_4_4
 from scalestate.errors import BackendUnavailableError
-from scalestate.finegrained import Granularity, e8m0_to_float32
+from scalestate.finegrained import e8m0_to_float32
+from scalestate.granularity import Granularity, GranularityKind
 from scalestate.quantized import Quantized
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-ROW = Granularity("row", 0, False)
-TILE = Granularity("tile", 128, True)
-BLOCK = Granularity("block", 128, True)
-MX = Granularity("mx", 32, True)
+ROW = Granularity(GranularityKind.ROW, 0, False)
+TILE = Granularity(GranularityKind.TILE, 128, True)
+BLOCK = Granularity(GranularityKind.BLOCK, 128, True)
+MX = Granularity(GranularityKind.MX, 32, True)
 FINE = {
     "rowwise": ss.RowwiseScaling(),
     "block": ss.BlockScaling(),
@@ -122,9 +124,9 @@ class TestRowwiseOnCPU:
         """Where the row-wise kernel is not used (CUDA outputs other than bfloat16, torch without
         torch.nn.functional.scaled_mm), the per-tensor kernel multiplies the data with unit scales and
         the row and column scales are applied to its float32 result: also within the bound."""
-        import scalestate.backends.scaled_mm as module
+        import scalestate.backends.scaled_mm.capability as module
 
-        monkeypatch.setattr(module, "_cpu_runs_rowwise", lambda: False)
+        monkeypatch.setattr(module, "cpu_runs_rowwise", lambda: False)
         a, b = operands("rowwise", 33, 300, 17)
         bias = torch.randn(17)
         got = ScaledMMBackend().scaled_mm(a, b, out_dtype=torch.float32, bias=bias)
@@ -184,7 +186,7 @@ class TestBlockAndMXOnCPU:
     def test_other_tile_sizes_name_what_torch_takes(self):
         """1 x 64 tiles: no torch kernel at all; the message says which tiles torch takes."""
         x, w = torch.randn(8, 200), torch.randn(16, 200)
-        g64, b64 = Granularity("tile", 64, True), Granularity("block", 64, True)
+        g64, b64 = Granularity(GranularityKind.TILE, 64, True), Granularity(GranularityKind.BLOCK, 64, True)
         with pytest.raises(BackendUnavailableError, match="1 x 64 tiles times 64 x 64 blocks") as info:
             ScaledMMBackend().scaled_mm(cast(x, g64).rowwise(), cast(w, b64).rowwise().t(), out_dtype=torch.float32)
         assert "1 x 128 tiles and 128 x 128 blocks" in str(info.value)
@@ -239,11 +241,12 @@ def _unswizzle(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return e8m0_to_float32(flat)[offset]
 
 
+#: torch's block-wise and MX pairs of scaling types, with the granularities that make them.
 PAIRS = {
-    ("1x128", "128x128"): (TILE, BLOCK),
-    ("1x128", "1x128"): (TILE, TILE),
-    ("128x128", "1x128"): (BLOCK, TILE),
-    ("1x32", "1x32"): (MX, MX),
+    "1x128-128x128": ((GranularityKind.TILE, GranularityKind.BLOCK), (TILE, BLOCK)),
+    "1x128-1x128": ((GranularityKind.TILE, GranularityKind.TILE), (TILE, TILE)),
+    "128x128-1x128": ((GranularityKind.BLOCK, GranularityKind.TILE), (BLOCK, TILE)),
+    "1x32-1x32": ((GranularityKind.MX, GranularityKind.MX), (MX, MX)),
 }
 
 
@@ -253,10 +256,10 @@ class TestCudaLayouts:
     def test_meta_checks_accept_the_arguments(self, pair, m, k, n):
         """Data and scales as laid out for CUDA pass torch's checks (run on meta tensors, as CUDA ones),
         partial tiles and blocks included; the output is cut back to (m, n)."""
-        ga, gb = PAIRS[pair]
+        kinds, (ga, gb) = PAIRS[pair]
         a = cast(torch.randn(m, k), ga).rowwise()
         b = cast(torch.randn(n, k), gb).rowwise().t()
-        args, kwargs = _block_args(pair, _on_meta(a), _on_meta(b))
+        args, kwargs = block_args(kinds, _on_meta(a), _on_meta(b))
         out = F.scaled_mm(*args, **kwargs, output_dtype=torch.bfloat16)
         assert out.shape[0] >= m and out.shape[1] >= n
 
@@ -265,10 +268,10 @@ class TestCudaLayouts:
     def test_arguments_mean_the_emulated_product(self, pair, m, k, n):
         """Read back with those conventions, the padded data and laid-out scales give the emulation's
         product (within the float32 summation bound: padding changes the sums' blocking)."""
-        ga, gb = PAIRS[pair]
+        kinds, (ga, gb) = PAIRS[pair]
         a = cast(torch.randn(m, k), ga).rowwise()
         b = cast(torch.randn(n, k), gb).rowwise().t()
-        got = _interpret(*_block_args(pair, a, b))[:m, :n]
+        got = _interpret(*block_args(kinds, a, b))[:m, :n]
         ref = EmulationBackend().scaled_mm(a, b, out_dtype=torch.float32)
         assert_within(got, ref, bound(a, b))
 
@@ -278,9 +281,9 @@ class TestCudaLayouts:
         """The row-wise kernel's arguments on CUDA (bfloat16 out) pass the checks, and mean the product."""
         a, b = operands("rowwise", m, k, n)
         bias = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
-        args, kwargs = _rowwise_args(_on_meta(a), _on_meta(b), None if bias is None else bias.to("meta"))
+        args, kwargs = rowwise_args(_on_meta(a), _on_meta(b), None if bias is None else bias.to("meta"))
         assert F.scaled_mm(*args, **kwargs).shape == (m, -(-n // 16) * 16)
-        (a_data, b_data, sa, _, sb, _), kwargs = _rowwise_args(a, b, bias)
+        (a_data, b_data, sa, _, sb, _), kwargs = rowwise_args(a, b, bias)
         got = ((a_data.float() * sa) @ (b_data.float() * sb))[:, :n]
         assert_within(got, EmulationBackend().scaled_mm(a, b, out_dtype=torch.float32), bound(a, b))
         if with_bias:
@@ -291,16 +294,17 @@ class TestCudaLayouts:
         w = cast(torch.randn(200, 96), BLOCK)
         a = cast(torch.randn(24, 200), TILE).rowwise()
         b = w.columnwise().t()
-        args, kwargs = _block_args(("1x128", "128x128"), _on_meta(a), _on_meta(b))
+        pair = (GranularityKind.TILE, GranularityKind.BLOCK)
+        args, kwargs = block_args(pair, _on_meta(a), _on_meta(b))
         assert F.scaled_mm(*args, **kwargs, output_dtype=torch.bfloat16).shape == (24, 128)
-        got = _interpret(*_block_args(("1x128", "128x128"), a, b))[:, :96]
+        got = _interpret(*block_args(pair, a, b))[:, :96]
         assert_within(got, EmulationBackend().scaled_mm(a, b, out_dtype=torch.float32), bound(a, b))
 
     @pytest.mark.parametrize(("rows", "cols"), [(1, 1), (128, 4), (130, 5), (300, 9)])
     def test_swizzle_formula(self, rows, cols):
         """Entry (r, c) of the scales lands where cuBLAS's 32x4x4 layout puts it; padding is E8M0 one."""
         codes = torch.randint(0, 255, (rows, cols), dtype=torch.uint8)
-        flat = _swizzle_32_4_4(codes.view(torch.float8_e8m0fnu))
+        flat = swizzle_32_4_4(codes.view(torch.float8_e8m0fnu))
         assert flat.numel() == -(-rows // 128) * 128 * -(-cols // 4) * 4
         assert torch.equal(_unswizzle(flat, rows, cols), e8m0_to_float32(codes.view(torch.float8_e8m0fnu)))
         padding = torch.ones(flat.numel(), dtype=torch.bool)

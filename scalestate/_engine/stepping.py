@@ -51,10 +51,11 @@ def run_step(
         reduction.reduce(state, recipe, refused=True)  # the other ranks learn it: no hang
         raise
     reduced = reduction.reduce(state, recipe)
-    if policy == "raise":
+    if policy is NonFinitePolicy.RAISE:
         refuse_nonfinite(state, state.step_amax if reduced is None else reduced)
     if reduced is not None:
         state.step_amax.copy_(reduced)
-    backend.update(state.step_update(rule, count=policy != "raise", forget=policy == "fallback"))
+    fallback = policy is NonFinitePolicy.FALLBACK
+    backend.update(state.step_update(rule, count=policy is not NonFinitePolicy.RAISE, forget=fallback))
     state.freeze()
-    state.end_step(histories_may_vanish=policy == "fallback")
+    state.end_step(histories_may_vanish=fallback)

@@ -14,6 +14,7 @@ import scalestate as ss
 from scalestate.demo.data import MODULES, corpus
 from scalestate.demo.train import FULL_BLOCK, DemoConfig, RunResult, data_parallel, train
 from scalestate.errors import ArgumentValueError, ScaleStateError
+from scalestate.granularity import granularity_label
 
 __all__ = ["compare", "run_demo"]
 
@@ -153,7 +154,8 @@ def _layout_line(cfg: DemoConfig, recipe: ss.Recipe) -> str:
         what = "one scale per row, along each product's contraction dimension"
     elif isinstance(recipe, ss.BlockScaling):
         b = recipe.block
-        what = f"1 x {b} tiles (inputs, output gradients), {b} x {b} blocks (weights)"
+        tiles, blocks = (granularity_label(recipe.granularity(role)) for role in (ss.Role.INPUT, ss.Role.WEIGHT))
+        what = f"{tiles} (inputs, output gradients), {blocks} (weights)"
         if cfg.block is None and b < FULL_BLOCK:
             what += f"; {b}, not {FULL_BLOCK}: --d-model is {cfg.d_model}"
     elif isinstance(recipe, ss.MXFP8Scaling):

@@ -60,10 +60,10 @@ class _FP8Linear(torch.autograd.Function):
             out = _product(backend, qx, qw.t(), out_dtype, bias if add_bias else None)
             # The weight-gradient product needs x in the other layout: keep only that copy when the cast made it.
             ctx.x_is_transposed = qx.transposed is not None
-            x_saved = qx if qx.transposed is None else Quantized(qx.transposed, scale=qx.scale, scale_inv=qx.scale_inv)
+            x_saved = qx if qx.other is None else Quantized.of(qx.other)
             w_saved = qw
-        x_tensors, ctx.x_tiles = _pack(x_saved)
-        w_tensors, ctx.w_tiles = _pack(w_saved)
+        x_tensors, ctx.x_layout = x_saved.flatten()
+        w_tensors, ctx.w_layout = w_saved.flatten()
         ctx.n_x = len(x_tensors)
         ctx.save_for_backward(*x_tensors, *w_tensors)
         ctx.cast_grad = cast_grad
@@ -74,8 +74,8 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         saved = ctx.saved_tensors
-        qx = _unpack(saved[: ctx.n_x], ctx.x_tiles)
-        qw = _unpack(saved[ctx.n_x :], ctx.w_tiles)
+        qx = Quantized.unflatten(saved[: ctx.n_x], ctx.x_layout)
+        qw = Quantized.unflatten(saved[ctx.n_x :], ctx.w_layout)
         cast_grad: GradCaster = ctx.cast_grad
         backend: Backend = ctx.backend
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -98,29 +98,6 @@ class _FP8Linear(torch.autograd.Function):
         if grad_w is not None and ctx.weight_transposed:
             grad_w = grad_w.t()  # the same values, in the parameter's (in, out) layout
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
-
-
-def _pack(q: Quantized) -> tuple[tuple[Tensor | None, ...], tuple[tuple[int, int] | None, ...] | None]:
-    """The tensors of ``q`` to save for backward, and what rebuilds it (tiles; ``None``: per tensor)."""
-    if q.tile is None:
-        return (q.data, q.scale, q.scale_inv, q.transposed), None
-    if q.transposed is None:
-        return (q.data, q.scale, q.scale_inv), (q.tile,)
-    return (q.data, q.scale, q.scale_inv, q.transposed, q.t_scale, q.t_scale_inv), (q.tile, q.t_tile)
-
-
-def _unpack(tensors: tuple[Tensor | None, ...], tiles: tuple[tuple[int, int] | None, ...] | None) -> Quantized:
-    """The ``Quantized`` that :func:`_pack` saved."""
-    data, scale, scale_inv, transposed, t_scale, t_scale_inv = (*tensors, None, None, None)[:6]
-    assert data is not None
-    assert scale is not None
-    assert scale_inv is not None
-    if tiles is None:
-        return Quantized(data, scale=scale, scale_inv=scale_inv, transposed=transposed)
-    return Quantized(
-        data, scale=scale, scale_inv=scale_inv, transposed=transposed, tile=tiles[0],
-        t_scale=t_scale, t_scale_inv=t_scale_inv, t_tile=tiles[1] if len(tiles) > 1 else None,
-    )
 
 
 def _cast_grad(handle: ScalingHandle, grad_out: Tensor, transpose: bool) -> Quantized:

@@ -1,0 +1,179 @@
+"""`ScaledMMBackend`: the dispatch of ``scaled_mm``: which kernel takes each product, or why none does.
+
+Casts and the step update are the emulation backend's; a product is matched
+to the first pair of torch's scaling types (:mod:`.kinds`) that both operands
+fit and the device runs (:mod:`.capability`), then computed by
+:mod:`.products`. See :mod:`scalestate.backends.scaled_mm` for what runs where.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from scalestate.backends.base import granularity_label, recipe_granularities
+from scalestate.backends.emulation import EmulationBackend
+from scalestate.backends.scaled_mm.capability import Probe, default_device, device_label
+from scalestate.backends.scaled_mm.kinds import PAIRS, ROW, Kind, Pair, operand_kinds, operand_label, recipe_kinds
+from scalestate.backends.scaled_mm.products import blockwise, rowwise, tensorwise
+from scalestate.errors import ArgumentTypeError, ArgumentValueError, BackendUnavailableError
+from scalestate.granularity import Granularity
+from scalestate.quantized import Quantized
+from scalestate.recipe import Recipe, Role
+
+__all__ = ["ScaledMMBackend"]
+
+_TWO_E5M2 = "cuBLASLt cannot multiply two E5M2 operands (use Format.HYBRID or Format.E4M3)"
+_ALTERNATIVES = 'ScaledMMBackend(fallback="emulation") to emulate those products, or backend="emulation"'
+_NO_KERNEL = "its block-wise kernels take 1 x 128 tiles and 128 x 128 blocks, its MX kernel blocks of 32"
+#: The operands of a linear layer's three products: forward, input gradient, weight gradient.
+_PRODUCTS = ((Role.INPUT, Role.WEIGHT), (Role.GRAD_OUTPUT, Role.WEIGHT), (Role.GRAD_OUTPUT, Role.INPUT))
+
+
+class ScaledMMBackend(EmulationBackend):
+    """FP8 GEMMs with torch's scaled-matmul kernels; casts and updates as in emulation.
+
+    Args:
+        fallback: ``None`` (default): a product no kernel can run on its device
+            raises :class:`~scalestate.errors.BackendUnavailableError`.
+            ``"emulation"``: such a product is computed by
+            :meth:`EmulationBackend.scaled_mm` instead, for that call only (the
+            others still run in the kernels). The registry name ``"scaled_mm"``
+            makes a backend without fallback.
+
+    Example:
+        >>> import scalestate as ss
+        >>> from scalestate.backends.scaled_mm import ScaledMMBackend
+        >>> ScaledMMBackend(fallback="emulation").supports(ss.MXFP8Scaling(), "cpu")[0]
+        True
+    """
+
+    name = "scaled_mm"
+
+    def __init__(self, fallback: Literal["emulation"] | None = None) -> None:
+        super().__init__()
+        if fallback is not None and not isinstance(fallback, str):
+            raise ArgumentTypeError(f"fallback must be None or the string 'emulation'; got {type(fallback).__name__}")
+        if fallback not in (None, "emulation"):
+            raise ArgumentValueError(f"fallback must be None or 'emulation'; got {fallback!r}")
+        self._fallback: Literal["emulation"] | None = fallback
+        # Facts of the build and the devices, asked once, eagerly: torch.compile cannot trace the queries.
+        self._probe = Probe()
+
+    @property
+    def fallback(self) -> Literal["emulation"] | None:
+        """``"emulation"`` if products no kernel can run are emulated, else ``None``."""
+        return self._fallback
+
+    def __repr__(self) -> str:
+        return f"ScaledMMBackend(fallback={self._fallback!r})"
+
+    def available(self, device: torch.device | None = None) -> tuple[bool, str]:
+        """Whether ``torch._scaled_mm`` runs on ``device`` (default: CUDA if present, else CPU)."""
+        return self._probe.available(default_device(device))
+
+    def supports(self, recipe: Recipe, device: torch.device | str | None = None) -> tuple[bool, str]:
+        """Whether the products of ``recipe`` (those of a linear layer) run on ``device``, and why.
+
+        Per-tensor recipes: where :meth:`available`. Fine-grained ones: where
+        torch's kernels take their scales (see the package docs); with
+        ``fallback="emulation"`` also elsewhere, the reason then saying that
+        the products fall back to emulation. Decided from the device and the
+        torch build, without running tensor operations.
+        """
+        device = default_device(device)
+        ok, why = self.available(device)
+        if not ok:
+            return False, why
+        roles = recipe_granularities(recipe)
+        if all(g is None for g in roles.values()):
+            return True, why
+        name = _recipe_label(recipe, roles)
+        failures: dict[str, None] = {}
+        for first, second in _PRODUCTS:
+            ka, kb = recipe_kinds(roles[first]), recipe_kinds(roles[second])
+            if not ka or not kb:
+                label = granularity_label(roles[first] if not ka else roles[second])
+                failures[f"no torch kernel takes {label} ({_NO_KERNEL})"] = None
+                continue
+            if device.type == "cuda" and recipe.format.dtype(first) == recipe.format.dtype(second) == torch.float8_e5m2:
+                failures[_TWO_E5M2] = None
+            runs, reason = self._probe.pair_runs((ka[0], kb[0]), device)
+            if not runs:
+                failures[reason] = None
+        where = device_label(device)
+        if not failures:
+            return True, f"{name} runs in torch's kernels on {where}"
+        why = "; ".join(failures)
+        if self._fallback == "emulation":
+            return True, f"{name} on {where}: {why}; those products fall back to emulation"
+        return False, f"{name} cannot run in torch's kernels on {where}: {why}. Use {_ALTERNATIVES}"
+
+    def wants_transposed(self, device: torch.device) -> bool:
+        """True: FP8 operands go in as row-major times column-major (cuBLASLt's rule on CUDA,
+        and the compiler's for ``torch._scaled_mm`` everywhere). Fine-grained operands are
+        laid out inside :meth:`scaled_mm`."""
+        return True
+
+    def scaled_mm(
+        self,
+        a: Quantized,
+        b: Quantized,
+        *,
+        out_dtype: torch.dtype,
+        bias: Tensor | None = None,
+    ) -> Tensor:
+        """``a @ b`` in torch's kernels; see the package docs for what runs where.
+
+        On CUDA an operand in the wrong layout is taken from its ``transposed``
+        copy when the cast made one with the same (per-tensor) scale, else copied.
+        """
+        if a.tile is None and b.tile is None:
+            if (
+                a.data.is_cuda
+                and a.dtype == torch.float8_e5m2
+                and b.dtype == torch.float8_e5m2
+                and self._fallback == "emulation"
+            ):
+                return super().scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
+            return tensorwise(a, b, out_dtype, bias)
+        m, k = a.data.shape
+        n = b.data.shape[1]
+        if m == 0 or n == 0 or k == 0:  # nothing to multiply: zeros (and the bias), exactly
+            return super().scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
+        device = a.data.device
+        pair, reason = self._choose(a, b, device)
+        if pair is None:
+            if self._fallback == "emulation":
+                return super().scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
+            raise BackendUnavailableError(f"{reason}. Use {_ALTERNATIVES}")
+        if pair == (ROW, ROW):
+            return rowwise(a, b, out_dtype, bias, cpu_rowwise=self._probe.cpu_rowwise)
+        return blockwise(pair, a, b, out_dtype, bias)
+
+    def _choose(self, a: Quantized, b: Quantized, device: torch.device) -> tuple[Pair | None, str]:
+        """The first pair of scaling types both operands fit and ``device`` runs, or ``None`` and why not."""
+        k = a.data.shape[1]
+        kinds_a: tuple[Kind, ...] = operand_kinds(a, k, first=True)
+        kinds_b: tuple[Kind, ...] = operand_kinds(b, k, first=False)
+        reasons: dict[str, None] = {}
+        if device.type == "cuda" and a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+            kinds_a = kinds_b = ()
+            reasons[_TWO_E5M2] = None
+        for pair in PAIRS:
+            if pair[0] in kinds_a and pair[1] in kinds_b:
+                runs, reason = self._probe.pair_runs(pair, device)
+                if runs:
+                    return pair, ""
+                reasons[reason] = None
+        what = f"{operand_label(a, k, first=True)} times {operand_label(b, k, first=False)}"
+        if not reasons:
+            reasons[f"no torch kernel takes that combination of scales ({_NO_KERNEL}, each with its own kind)"] = None
+        return None, f"ScaledMMBackend cannot multiply {what} on {device_label(device)}: {'; '.join(reasons)}"
+
+
+def _recipe_label(recipe: Recipe, roles: dict[Role, Granularity | None]) -> str:
+    kinds = dict.fromkeys(granularity_label(g) for g in roles.values())
+    return f"{type(recipe).__name__} ({', '.join(kinds)})"

@@ -1,0 +1,93 @@
+"""The products themselves: one function per kind of torch kernel call.
+
+Each takes operands that :mod:`scalestate.backends.scaled_mm.backend` chose
+a kernel for, lays them out (:mod:`~scalestate.backends.scaled_mm.layout`)
+and returns the ``(M, N)`` product in ``out_dtype``, a bias added in float32
+before the one rounding wherever the kernel does not fuse it (the emulation's
+order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from scalestate.backends.scaled_mm.capability import has_functional_scaled_mm
+from scalestate.backends.scaled_mm.kinds import Pair
+from scalestate.backends.scaled_mm.layout import block_args, padded, rowwise_args, tensorwise_operands
+from scalestate.quantized import Quantized
+
+__all__ = ["blockwise", "finish", "rowwise", "tensorwise"]
+
+
+def tensorwise(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
+    """The per-tensor product through ``torch._scaled_mm``."""
+    n = b.data.shape[1]
+    fuse_bias = bias is not None and bias.dtype == out_dtype
+    a_data, b_data = tensorwise_operands(a, b, pad=a.data.is_cuda)
+    if a.data.is_cuda:
+        fuse_bias = fuse_bias and out_dtype != torch.float32 and b_data.shape[1] == n
+    late_bias = None if fuse_bias else bias
+    out = torch._scaled_mm(
+        a_data,
+        b_data,
+        scale_a=a.scale_inv,
+        scale_b=b.scale_inv,
+        bias=bias if fuse_bias else None,
+        # a bias added afterwards is added in float32, then rounded once
+        out_dtype=out_dtype if late_bias is None else torch.float32,
+    )
+    if out.shape[1] != n:  # cut off the padded columns
+        out = out[:, :n]
+    if late_bias is not None:
+        out = (out + late_bias.float()).to(out_dtype)
+    return out
+
+
+def rowwise(
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | None, *, cpu_rowwise: bool
+) -> Tensor:
+    """A product of row-wise scaled operands: the row-wise kernel where it takes the output dtype
+    (on CPU where ``cpu_rowwise``), else the per-tensor kernel on the data and the scales applied
+    to its float32 result."""
+    m, n = a.data.shape[0], b.data.shape[1]
+    sa = a.scale_inv.float().reshape(-1).view(m, 1)  # fresh strides (size-1 dims keep odd ones)
+    sb = b.scale_inv.float().reshape(-1).view(1, n)
+    cuda = a.data.is_cuda
+    if not cuda and cpu_rowwise:
+        out = F.scaled_mm(
+            a.data, b.data, sa, F.ScalingType.RowWise, sb, F.ScalingType.RowWise, output_dtype=torch.float32
+        )
+        return finish(out, out_dtype, bias)
+    fuse = bias is None or bias.dtype == torch.bfloat16
+    if cuda and out_dtype == torch.bfloat16 and fuse and has_functional_scaled_mm():
+        args, kwargs = rowwise_args(a, b, bias)
+        out = F.scaled_mm(*args, **kwargs)
+        return out[:, :n] if out.shape[1] != n else out
+    one = torch.ones((), dtype=torch.float32, device=a.data.device)
+    to = 16 if cuda else 1  # cuBLASLt's multiples of 16
+    a_data, b_data = padded(a.data, b.data, k_to=to, n_to=to)
+    out = torch._scaled_mm(a_data, b_data, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    if out.shape[1] != n:
+        out = out[:, :n]
+    return finish(out * sa * sb, out_dtype, bias)
+
+
+def blockwise(pair: Pair, a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
+    """A product of ``1 x 128`` / ``128 x 128`` or MX operands through ``torch.nn.functional.scaled_mm``
+    on CUDA (its operands and scales laid out by :func:`~scalestate.backends.scaled_mm.layout.block_args`)."""
+    m, n = a.data.shape[0], b.data.shape[1]
+    args, kwargs = block_args(pair, a, b)
+    kwargs["output_dtype"] = out_dtype if bias is None else torch.float32
+    out = F.scaled_mm(*args, **kwargs)
+    if out.shape != (m, n):
+        out = out[:m, :n]
+    return out if bias is None else finish(out, out_dtype, bias)
+
+
+def finish(out: Tensor, out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
+    """A float32 product plus ``bias`` (added in float32), rounded once to ``out_dtype``: the emulation's order."""
+    if bias is not None:
+        out = out + bias.float()
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
