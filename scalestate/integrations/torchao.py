@@ -38,9 +38,10 @@ from torch import Tensor
 from scalestate.errors import ConversionError, ConversionTypeError, MissingDependencyError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
+from scalestate.nn.base import WeightSlotModule
+from scalestate.nn.base import free_name as _free_name
 from scalestate.nn.convert import find_layers, place_layer, refuse_taken_names
 from scalestate.nn.linear import Linear as ScalestateLinear
-from scalestate.nn.linear import WeightSlotModule, _free_name
 from scalestate.recipe import Format, Role
 
 try:

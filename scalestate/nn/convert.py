@@ -21,8 +21,10 @@ import torch
 from scalestate.errors import ConversionError, ConversionTypeError, SlotError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
+from scalestate.nn.base import WeightSlotModule
+from scalestate.nn.base import free_name as _free_name
 from scalestate.nn.fsdp import wrap_weight
-from scalestate.nn.linear import Linear, WeightSlotModule, _free_name
+from scalestate.nn.linear import Linear
 
 #: An FP8 module with one weight, as conversions make them.
 M = TypeVar("M", bound=WeightSlotModule)
