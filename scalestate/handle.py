@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from scalestate.errors import SlotError
+from scalestate._engine.casting import ShardCast
+from scalestate.errors import ArgumentTypeError, SlotError
 from scalestate.quantized import Quantized
 from scalestate.recipe import Role
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from scalestate._engine.state import Slot
     from scalestate.manager import ScalingStateManager
 
@@ -67,7 +71,16 @@ class ScalingHandle:
                 f"Add it to manager.register({self._name!r}, roles=...)"
             ) from None
 
-    def quantize(self, x: Tensor, role: Role, *, transpose: bool = False) -> Quantized:
+    def quantize(
+        self,
+        x: Tensor,
+        role: Role,
+        *,
+        transpose: bool = False,
+        amax: Tensor | Callable[[], Tensor] | None = None,
+        shard_group: ProcessGroup | Sequence[ProcessGroup] | None = None,
+        ahead_of_use: bool = False,
+    ) -> Quantized:
         """Cast ``x`` to FP8 for ``role``; the result carries its own ``scale`` and ``scale_inv``.
 
         The scale is the slot's current one, or, for a slot with no history yet,
@@ -89,8 +102,54 @@ class ScalingHandle:
                 fine-grained recipe it is ``x.t()`` cast along its own rows
                 (scales ``t_scale``), which the products contracting over the
                 other axis need.
+            amax: ``x`` is this rank's shard of a larger tensor (tensor or
+                fully sharded parallelism), and this is the amax of the whole
+                tensor: one value (a 0-d float32 tensor on the manager's
+                device), already max-reduced over every rank that holds a
+                shard, NaN kept (an all-reduce MAX may drop a NaN; see
+                :func:`scalestate.distributed.nan_as_flags`). The cast is then
+                scaled and recorded as a cast of the whole tensor would be: with
+                the slot's scale once it has history, else with one derived just
+                in time from ``amax``; a recorded cast records ``amax``. Every
+                rank thus casts its shard with the same scale. Or a function
+                returning it, which the manager calls only when it scales the
+                cast just in time (deciding so reads the slot's newest history
+                entry on the host while the slot has none: a device sync on
+                GPUs); when it does not call it, a recorded cast records the
+                shard's own amax, which the step's all-reduce makes the whole
+                tensor's only if the manager's group covers every rank holding
+                a shard (so pass a function only then). Per-tensor recipes only.
+            shard_group: with ``amax``, the process group whose ranks hold the
+                shards of the whole tensor, or a sequence of groups that
+                together span them (one per sharded mesh dimension). Under
+                ``collect_stats=True`` a recorded shard cast's statistics are
+                summed over them (one all-reduce of four integers per group, per
+                recorded cast; per cast and scale epoch for cached weight
+                casts), so that :meth:`ScalingStateManager.stats` counts the
+                whole tensor's elements exactly as an unsharded run does.
+                Without it they count this rank's shard only.
+            ahead_of_use: the cast is made ahead of its use (as an FP8
+                all-gather casts a weight shard before FSDP gathers it): it
+                records and counts nothing, whatever the phase. A ``WEIGHT``
+                cast is cached with its amax kept aside, so that the use, which
+                casts the same tensor again (a cache hit), is classified and
+                recorded as usual.
+
+        Raises:
+            CastError: ``x`` is not a floating-point tensor, ``transpose`` with
+                a tensor that is not 2-d, ``amax`` with a fine-grained recipe,
+                or an ``amax`` that is not one floating-point value on the
+                manager's device.
+            ArgumentTypeError: ``amax`` is neither a tensor nor a function, or
+                ``ahead_of_use`` is not a bool.
+            ArgumentValueError: ``shard_group`` without ``amax``.
+            SlotError: ``role`` was not registered with this handle.
         """
-        return self._manager._cast(self._slot(role), x, transpose)
+        slot = self._slot(role)
+        if not isinstance(ahead_of_use, bool):
+            raise ArgumentTypeError(f"slot {self._name!r}: ahead_of_use must be True or False; got {ahead_of_use!r}")
+        shard = ShardCast.of(f"slot {self._name!r} {role.name}", amax, shard_group)
+        return self._manager._cast(slot, x, transpose, shard, ahead_of_use)
 
     def scale(self, role: Role) -> Tensor:
         """A copy of the slot's current scale (0-d float32).

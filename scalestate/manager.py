@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from scalestate._engine.binding import BackendBinding, canonical_device
-from scalestate._engine.casting import Caster
+from scalestate._engine.casting import Caster, ShardCast
 from scalestate._engine.state import Slot, State
 from scalestate._engine.stepping import run_step
 from scalestate.backends import Backend, CastSpec
@@ -391,9 +391,11 @@ class ScalingStateManager:
         )
 
     # ----------------------------------------------------------------- casts
-    def _cast(self, slot: Slot, x: Tensor, transpose: bool) -> Quantized:
+    def _cast(
+        self, slot: Slot, x: Tensor, transpose: bool, shard: ShardCast | None = None, ahead: bool = False
+    ) -> Quantized:
         """A handle's cast (see ScalingHandle.quantize and `scalestate._engine.casting`)."""
-        return self._caster.cast(slot, x, transpose)
+        return self._caster.cast(slot, x, transpose, shard, ahead)
 
     def _scale_of(self, slot: Slot) -> Tensor:
         return self._state.scale_of(slot).clone()

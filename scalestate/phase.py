@@ -65,6 +65,11 @@ class CastKind(enum.Enum):
     #: A forward cast with grad enabled in the BACKWARD phase, outside
     #: autograd's backward: a new forward without begin_forward(). An error.
     MISPLACED = "misplaced"
+    #: Made ahead of its use (``quantize(..., ahead_of_use=True)``, e.g. before FSDP's
+    #: all-gather), whatever the signals: records nothing; the use, a later cast of
+    #: the same tensor (a weight-cache hit), is classified and recorded. Never from
+    #: :func:`classify`.
+    AHEAD = "ahead"
 
 
 class PhaseStack(threading.local):

@@ -122,6 +122,7 @@ def _train(
         "scale": sd["scale"],
         "slots": sd["slots"],
         "traces": traces,
+        "stats": manager.stats().slots(),
     }
 
 
@@ -211,30 +212,31 @@ def _dcp_roundtrip(rank: int, path: str) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, path: str) -> dict[str, Any]:
-    def new() -> ss.ScalingStateManager:
-        return ss.ScalingStateManager(RECIPE, backend="emulation")  # group: the default (world) group
+    def new(collect_stats: bool = False) -> ss.ScalingStateManager:
+        # group: the default (world) group
+        return ss.ScalingStateManager(RECIPE, backend="emulation", collect_stats=collect_stats)
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     out: dict[str, Any] = {}
-    m = new()
+    m = new(collect_stats=True)
     out["ddp"] = _train(m, DDP(_model(m)), rank, ddp=True)
-    m = new()
+    m = new(collect_stats=True)
     out["ddp_fp8"] = _train(m, DDP(_model(m, fp8_all_gather=True)), rank, ddp=True)
-    out["fsdp"] = _fsdp(new(), rank)
-    out["fsdp_phases"] = _fsdp(new(), rank, phases=True)
-    out["fp8"] = _fsdp(new(), rank, fp8_all_gather=True)
-    out["fp8_phases"] = _fsdp(new(), rank, fp8_all_gather=True, phases=True)
+    out["fsdp"] = _fsdp(new(collect_stats=True), rank)
+    out["fsdp_phases"] = _fsdp(new(collect_stats=True), rank, phases=True)
+    out["fp8"] = _fsdp(new(collect_stats=True), rank, fp8_all_gather=True)
+    out["fp8_phases"] = _fsdp(new(collect_stats=True), rank, fp8_all_gather=True, phases=True)
     out["bf16"] = _fsdp(new(), rank, bf16=True, per_step=collectives)
     out["bf16_fp8"] = _fsdp(new(), rank, bf16=True, fp8_all_gather=True, per_step=collectives)
     out["meta_fp8"] = _materialized_on_meta(rank, world)
     if world == 2:
-        current = ss.CurrentScaling()
-        out["current"] = _fsdp(ss.ScalingStateManager(current, backend="emulation"), rank, bf16=True)
-        out["current_fp8"] = _fsdp(
-            ss.ScalingStateManager(current, backend="emulation"), rank, bf16=True, fp8_all_gather=True
-        )
-        out["checkpointed_fp8"] = _checkpointed(new(), rank)
+        def current() -> ss.ScalingStateManager:
+            return ss.ScalingStateManager(ss.CurrentScaling(), backend="emulation", collect_stats=True)
+
+        out["current"] = _fsdp(current(), rank, bf16=True)
+        out["current_fp8"] = _fsdp(current(), rank, bf16=True, fp8_all_gather=True)
+        out["checkpointed_fp8"] = _checkpointed(new(collect_stats=True), rank)
         out["bias"] = _fsdp(new(), rank, bf16=True, bias=True)
         out["bias_fp8"] = _fsdp(new(), rank, bf16=True, bias=True, fp8_all_gather=True)
         out["no_group_error"] = _no_group_error(rank)
@@ -451,6 +453,28 @@ class TestFP8AllGather:
         for r in two:
             _same_state(r["current_fp8"], r["current"])
             assert torch.equal(r["current_fp8"]["losses"], r["current"]["losses"])
+            assert r["current_fp8"]["stats"] == r["current"]["stats"]
+
+    @pytest.mark.parametrize("world", [2, 4])
+    @pytest.mark.parametrize("run", ["fp8", "fp8_phases", "fsdp", "fsdp_phases", "ddp_fp8"])
+    def test_stats_equal_ddp(self, two, four, world, run):
+        """collect_stats=True: every slot's stats (cast counts, saturation, underflow) equal DDP's, on every rank."""
+        results = two if world == 2 else four
+        for r in results:
+            assert [(s.name, s.role) for s in r[run]["stats"]] == [(s.name, s.role) for s in r["ddp"]["stats"]]
+            for want, got in zip(r["ddp"]["stats"], r[run]["stats"], strict=True):
+                assert got == want, (run, want, got)
+
+    def test_stats_count_the_whole_weight_once_per_use(self, two, four):
+        """The comparison means something: the WEIGHT slots count the whole weight once per microbatch
+        (not the shard, not the cast made before the all-gather), however unevenly it is sharded."""
+        i, h, o = DIMS
+        for results in (two, four):
+            for r in results:
+                weights = {s.name: s.cast_elements for s in r["fp8_phases"]["stats"] if s.role is ss.Role.WEIGHT}
+                assert weights == {"0": 2 * h * i, "2": 2 * o * h}
+        for r in two:  # recompute, and FSDP's re-gather inside backward, count nothing
+            assert r["checkpointed_fp8"]["stats"] == r["fp8_phases"]["stats"]
 
     def test_activation_checkpointing(self, two):
         """Recompute (and FSDP's re-gather inside backward) records nothing: bitwise the run without checkpointing."""

@@ -137,17 +137,18 @@ def _colrow(rank: int, world: int, run: tuple[Any, ...], mesh: Any) -> dict[str,
 
     _, recipe, backend, bias, group, checkpoint = run
     data = _data((8, 32), 16)
-    ref_m = ss.ScalingStateManager(RECIPES[recipe], backend=backend, group=None)
+    ref_m = ss.ScalingStateManager(RECIPES[recipe], backend=backend, group=None, collect_stats=True)
     ref = _mlp(ref_m, bias)
     ref_out = _train(ref, ref_m, data)
     kwargs = {} if group == "world" else {"group": None}
-    tp_m = ss.ScalingStateManager(RECIPES[recipe], backend=backend, **kwargs)
+    tp_m = ss.ScalingStateManager(RECIPES[recipe], backend=backend, collect_stats=True, **kwargs)
     tp = parallelize_module(_mlp(tp_m, bias), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     tp_out = _train(tp, tp_m, data, checkpoint=checkpoint)
     local = {n: tuple(p.to_local().shape) for n, p in tp.named_parameters()}
     return {
         "ref": ref_out, "tp": tp_out, "ref_state": _state(ref_m), "tp_state": _state(tp_m),
         "ref_params": _params(ref), "tp_params": _params(tp), "local_shapes": local,
+        "ref_stats": ref_m.stats().slots(), "tp_stats": tp_m.stats().slots(),
     }
 
 
@@ -162,9 +163,9 @@ def _sequence_parallel(rank: int, world: int, mesh: Any) -> dict[str, Any]:
     )
 
     data = _data((4, 8, 32), 32)
-    ref_m = ss.ScalingStateManager(RECIPES["delayed"], backend="emulation", group=None)
+    ref_m = ss.ScalingStateManager(RECIPES["delayed"], backend="emulation", group=None, collect_stats=True)
     ref_out = _train(_mlp(ref_m, True, (32, 32, 64, 32)), ref_m, data)
-    tp_m = ss.ScalingStateManager(RECIPES["delayed"], backend="emulation")
+    tp_m = ss.ScalingStateManager(RECIPES["delayed"], backend="emulation", collect_stats=True)
     plan = {
         "fc1": SequenceParallel(),
         "fc2": ColwiseParallel(input_layouts=Shard(1)),
@@ -172,7 +173,10 @@ def _sequence_parallel(rank: int, world: int, mesh: Any) -> dict[str, Any]:
     }
     tp = parallelize_module(_mlp(tp_m, True, (32, 32, 64, 32)), mesh, plan)
     tp_out = _train(tp, tp_m, data, shard=lambda t: t.chunk(world, dim=1)[rank])
-    return {"ref": ref_out, "tp": tp_out, "ref_state": _state(ref_m), "tp_state": _state(tp_m)}
+    return {
+        "ref": ref_out, "tp": tp_out, "ref_state": _state(ref_m), "tp_state": _state(tp_m),
+        "ref_stats": ref_m.stats().slots(), "tp_stats": tp_m.stats().slots(),
+    }
 
 
 def _direct(rank: int, world: int, mesh: Any) -> dict[str, Any]:
@@ -304,6 +308,37 @@ class TestColumnRowParallel:
         for rank in ranks:
             ref, tp = rank[name]["ref"]["input_grads"], rank[name]["tp"]["input_grads"]
             torch.testing.assert_close(tp, ref, rtol=0, atol=PARAM_RTOL * ref.abs().max().item())
+
+
+class TestStats:
+    """collect_stats=True: stats() of the sharded model equal the unsharded model's, counts included."""
+
+    @pytest.mark.parametrize("name", [run[0] for run in RUNS])
+    def test_stats_equal_unsharded(self, ranks, name):
+        """Every slot's SlotStats (scale, amaxes, cast_elements, saturated and underflow fractions), on every rank."""
+        for rank in ranks:
+            ref, tp = rank[name]["ref_stats"], rank[name]["tp_stats"]
+            assert [(s.name, s.role) for s in ref] == [(s.name, s.role) for s in tp]
+            for want, got in zip(ref, tp, strict=True):
+                assert got == want, (name, want, got)
+
+    def test_counts_are_the_whole_tensors(self, ranks):
+        """The comparison means something: each slot counted every element of its whole tensor, every microbatch."""
+        counts = {(s.name, s.role.name): s.cast_elements for s in ranks[0]["delayed-bias"]["tp_stats"]}
+        rows = 8  # of the step: two microbatches of 4 rows; the weight is cast once per microbatch
+        assert counts == {
+            ("fc1", "INPUT"): rows * 32, ("fc1", "WEIGHT"): 2 * 64 * 32, ("fc1", "GRAD_OUTPUT"): rows * 64,
+            ("fc2", "INPUT"): rows * 64, ("fc2", "WEIGHT"): 2 * 16 * 64, ("fc2", "GRAD_OUTPUT"): rows * 16,
+        }
+        fractions = [s.saturated_fraction for s in ranks[0]["delayed-bias"]["tp_stats"]]
+        assert all(f is not None and f < 0.5 for f in fractions)
+
+    def test_sequence_parallel_counts(self, ranks):
+        """Sequence-sharded activations: every slot counts the whole tensor's elements, as the unsharded model."""
+        for rank in ranks:
+            run = rank["sequence_parallel"]
+            want = [(s.name, s.role, s.cast_elements) for s in run["ref_stats"]]
+            assert [(s.name, s.role, s.cast_elements) for s in run["tp_stats"]] == want
 
 
 class TestLogicalAmax:

@@ -30,12 +30,15 @@ class CachedCast:
     #: recorded nothing; ``None`` when the cast wrote it into the slot's
     #: accumulator (which only grows within an epoch: later uses add nothing).
     amax: Tensor | None
+    #: For a shard: the whole tensor's amax it was cast with (a tensor or a function; ``None``: a whole tensor).
+    whole: object = None
 
-    def matches(self, x: Tensor, epoch: int) -> bool:
-        """True if ``x`` is the very tensor cast, unmodified, in this epoch."""
+    def matches(self, x: Tensor, epoch: int, whole: object = None) -> bool:
+        """True if ``x`` is the very tensor cast, unmodified, in this epoch (a shard: with the same whole amax)."""
         return (
             self.epoch == epoch
             and self.source() is x
+            and self.whole is whole
             and self.version == x._version
             and self.data_ptr == x.data_ptr()
         )
@@ -64,17 +67,19 @@ class WeightCastCache:
         (a copy recasts each weight once, recording it again: the max is unchanged)."""
         return WeightCastCache, ()
 
-    def get(self, slot: Slot, x: Tensor, epoch: int) -> CachedCast | None:
-        """The cached cast of ``x`` for ``slot`` if still valid, else ``None``."""
+    def get(self, slot: Slot, x: Tensor, epoch: int, whole: object = None) -> CachedCast | None:
+        """The cached cast of ``x`` for ``slot`` if still valid, else ``None`` (``whole``: see CachedCast)."""
         entry = self._entries.get(slot.row)
-        return entry if entry is not None and entry.matches(x, epoch) else None
+        return entry if entry is not None and entry.matches(x, epoch, whole) else None
 
-    def put(self, slot: Slot, x: Tensor, epoch: int, quantized: Quantized, amax: Tensor | None) -> None:
+    def put(
+        self, slot: Slot, x: Tensor, epoch: int, quantized: Quantized, amax: Tensor | None, whole: object = None
+    ) -> None:
         """Remember a cast of ``x`` (``amax=None``: it was recorded into the slot's accumulator);
         inference tensors (which track no version) are not kept."""
         if torch.is_inference_mode_enabled() or x.is_inference():
             return
-        self._entries[slot.row] = CachedCast(weakref.ref(x), x.data_ptr(), x._version, epoch, quantized, amax)
+        self._entries[slot.row] = CachedCast(weakref.ref(x), x.data_ptr(), x._version, epoch, quantized, amax, whole)
 
     def forget(self, slot: Slot) -> None:
         """Forget the cast of ``slot``, if any."""

@@ -15,10 +15,23 @@ elements (:func:`scalestate.diagnostics.cast_counts`) to the slot's counters,
 on the device; recompute and evaluation casts count nothing, as they record
 nothing. A cached weight cast counts at every training use that records it
 (its counts are computed once per cast and scale epoch, then added).
+
+A cast of a shard (:class:`ShardCast`: ``quantize(..., amax=...)``) is scaled
+and recorded as the whole tensor would be: the manager derives a just-in-time
+scale from the whole tensor's amax itself, hands the backend a cast with that
+fixed scale and nothing to record, and maxes the whole tensor's amax into the
+record target. Its counts are summed over the shard groups (one all-reduce of
+four integers per group), so that they are the whole tensor's. A cast made
+ahead of its use (``ahead_of_use=True``) records and counts nothing: the use,
+a later cast of the same tensor, does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import attrs
 import torch
 from torch import Tensor
 
@@ -26,13 +39,55 @@ from scalestate._engine.binding import BackendBinding, settle_during_trace
 from scalestate._engine.state import Slot, State
 from scalestate.backends import CastRequest
 from scalestate.diagnostics import cast_counts
-from scalestate.errors import CastError, PhaseError
+from scalestate.errors import ArgumentTypeError, ArgumentValueError, CastError, PhaseError
+from scalestate.math import scale_from_amax
 from scalestate.phase import CastKind, classify, in_training_function_forward, read_signals
 from scalestate.quantized import Quantized
 from scalestate.recipe import Direction, Role
 from scalestate.sac import hidden_from_sac
 
-__all__ = ["Caster"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["Caster", "ShardCast"]
+
+#: What ``quantize(..., amax=...)`` takes: the whole tensor's amax, or a function returning it.
+WholeAmax = Tensor | Callable[[], Tensor]
+
+
+@attrs.frozen
+class ShardCast:
+    """What a cast of one shard knows of the whole tensor (see :meth:`ScalingHandle.quantize`)."""
+
+    #: The whole tensor's amax, or a function that returns it, called only for a just-in-time scale.
+    amax: WholeAmax
+    #: The process groups whose ranks hold the other shards: cast statistics are summed over each.
+    groups: tuple[ProcessGroup, ...] = ()
+
+    @classmethod
+    def of(
+        cls, where: str, amax: WholeAmax | None, shard_group: ProcessGroup | Sequence[ProcessGroup] | None
+    ) -> ShardCast | None:
+        """The shard description of a handle's ``quantize`` arguments (``None``: a whole tensor)."""
+        if amax is None:
+            if shard_group is not None:
+                raise ArgumentValueError(
+                    f"{where}: shard_group= was given without amax=; pass the whole tensor's amax "
+                    "(max-reduced over the shard group) with it, or neither for a whole tensor"
+                )
+            return None
+        if not isinstance(amax, Tensor) and not callable(amax):
+            raise ArgumentTypeError(
+                f"{where}: amax must be a tensor (the whole tensor's amax) or a function returning one; "
+                f"got {type(amax).__name__}"
+            )
+        if shard_group is None:
+            groups: tuple[ProcessGroup, ...] = ()
+        elif isinstance(shard_group, (list, tuple)):
+            groups = tuple(shard_group)
+        else:
+            groups = (shard_group,)  # type: ignore[assignment]  # a ProcessGroup
+        return cls(amax, groups)
 
 
 class Caster:
@@ -45,52 +100,129 @@ class Caster:
         #: collect_stats, fixed for the manager's life (read once: the cast path pays a flag test only).
         self._stats = state.stats
         #: Per weight row: (epoch, elements, counts) of its cached cast (collect_stats only).
-        self._weight_counts: dict[int, tuple[int, int, Tensor]] = {}
+        self._weight_counts: dict[int, tuple[int, int | Tensor, Tensor]] = {}
 
-    def cast(self, slot: Slot, x: Tensor, transpose: bool) -> Quantized:
+    def cast(
+        self, slot: Slot, x: Tensor, transpose: bool, shard: ShardCast | None = None, ahead: bool = False
+    ) -> Quantized:
         """A handle's cast: classify it, then cast through the backend (see ScalingHandle.quantize)."""
+        where = f"slot {slot.name!r} {slot.role.name}"
         if not isinstance(x, Tensor) or not x.is_floating_point():
-            raise CastError(
-                f"slot {slot.name!r} {slot.role.name}: expected a floating-point tensor; "
-                f"got {x.dtype if isinstance(x, Tensor) else type(x).__name__}"
-            )
+            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            raise CastError(f"{where}: expected a floating-point tensor; got {got}")
         if transpose and x.dim() != 2:
+            raise CastError(f"{where}: transpose=True needs a 2-d tensor; got shape {tuple(x.shape)}")
+        if shard is not None and slot.spec.granularity is not None:
             raise CastError(
-                f"slot {slot.name!r} {slot.role.name}: transpose=True needs a 2-d tensor; got shape {tuple(x.shape)}"
+                f"{where}: amax= (a shard cast with the whole tensor's amax) needs per-tensor scales; this "
+                "recipe scales rows, tiles or blocks, which a shard would split. Cast the whole tensor, "
+                "or use ss.DelayedScaling or ss.CurrentScaling"
             )
         if torch.compiler.is_compiling():
             settle_during_trace(self._binding, x.device)
-            return self._cast(slot, x, transpose, compiling=True)
+            return self._cast(slot, x, transpose, shard, ahead, compiling=True)
         # Out of sight of selective checkpointing (see scalestate.sac): whether and how this
         # cast runs depends on the cache, the phase and debug mode, not only on the region.
         with hidden_from_sac():
             if not self._binding.ready or x.device != self._state.device:
                 self._binding.settle(x.device)
-            return self._cast(slot, x, transpose, compiling=False)
+            return self._cast(slot, x, transpose, shard, ahead, compiling=False)
 
-    def _cast(self, slot: Slot, x: Tensor, transpose: bool, *, compiling: bool) -> Quantized:
+    def _cast(
+        self, slot: Slot, x: Tensor, transpose: bool, shard: ShardCast | None, ahead: bool, *, compiling: bool
+    ) -> Quantized:
         st = self._state
-        kind = self._classify(slot, compiling) if slot.forward else CastKind.RECORD
+        kind = self._kind(slot, ahead, compiling)
         if slot.role is Role.WEIGHT and not compiling:
-            return self._cast_weight(slot, x, kind, transpose)
-        if st.checker is not None and not compiling and kind is not CastKind.EVALUATION:
-            q, amax = self._cast_keeping_amax(slot, x, transpose)
+            return self._cast_weight(slot, x, kind, transpose, shard)
+        if st.checker is not None and not compiling and kind in (CastKind.RECORD, CastKind.RECOMPUTE):
+            q, amax = self._cast_keeping_amax(slot, x, transpose, shard)
             self._record(slot, kind, amax)
             if kind is CastKind.RECORD and self._stats:
-                st.add_counts(slot, *cast_counts(x, q, slot.spec.fp8_max))
+                st.add_counts(slot, *self._counts(slot, x, q, shard))
             return q
         # Eager casts reuse views made once; compiled code derives them from the buffers itself.
         scale, acc = (st.scale_of(slot), st.accumulator_of(slot)) if compiling else st.views_of(slot)
         record = acc if kind is CastKind.RECORD else None
-        jit = st.jit(slot, delayed=self._delayed, compiling=compiling)
-        request = CastRequest(x.detach() if x.requires_grad else x, slot.spec, scale, jit, record, transpose)
-        q = self._binding.backend.cast(request)
+        q = self._run(slot, x, transpose, scale, record, shard, compiling=compiling)
         if record is not None:
             if not compiling:
                 st.note_recorded(slot)
             if self._stats:
-                st.add_counts(slot, *cast_counts(x, q, slot.spec.fp8_max))
+                st.add_counts(slot, *self._counts(slot, x, q, shard))
         return q
+
+    def _run(
+        self,
+        slot: Slot,
+        x: Tensor,
+        transpose: bool,
+        scale: Tensor,
+        record: Tensor | None,
+        shard: ShardCast | None,
+        *,
+        compiling: bool,
+    ) -> Quantized:
+        """The backend's cast of ``x`` with the slot's ``scale`` (or one just in time), recording into ``record``.
+
+        A shard is cast with the scale of the whole tensor: the manager derives
+        it from the whole tensor's amax (as the backend would from a whole
+        tensor) and records that amax itself; a lazy amax not needed for the
+        scale is not asked for, and the shard's own amax is recorded.
+        """
+        st = self._state
+        lazy = shard is not None and not isinstance(shard.amax, Tensor)
+        jit = st.jit(slot, delayed=self._delayed, compiling=compiling, host=lazy)
+        x = x.detach() if x.requires_grad else x
+        whole = None if shard is None else self._whole_amax(slot, shard, jit)
+        if whole is None:
+            return self._binding.backend.cast(CastRequest(x, slot.spec, scale, jit, record, transpose))
+        if jit is not False:
+            own = scale_from_amax(whole, slot.spec.fp8_max, slot.spec.rule, previous=scale)
+            scale = own if jit is True else torch.where(jit, own, scale)
+        q = self._binding.backend.cast(CastRequest(x, slot.spec, scale, False, None, transpose))
+        if record is not None:
+            torch.maximum(record, whole, out=record)
+        return q
+
+    def _whole_amax(self, slot: Slot, shard: ShardCast, jit: bool | Tensor) -> Tensor | None:
+        """The whole tensor's amax as a 0-d float32 tensor on the state's device (``None``: a lazy one not needed)."""
+        value = shard.amax
+        if not isinstance(value, Tensor):
+            if jit is False:
+                return None
+            value = value()
+        where = f"slot {slot.name!r} {slot.role.name}"
+        if not isinstance(value, Tensor) or value.numel() != 1 or not value.is_floating_point():
+            got = f"shape {tuple(value.shape)}, {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
+            raise CastError(
+                f"{where}: amax must be one floating-point value (the whole tensor's amax, e.g. a 0-d float32 "
+                f"tensor); got {got}"
+            )
+        if value.device != self._state.device:
+            raise CastError(
+                f"{where}: amax is on {value.device}, the manager's state on {self._state.device}; "
+                "reduce the amax on the device the shard is cast on"
+            )
+        return value.detach().reshape(()).float()
+
+    def _counts(self, slot: Slot, x: Tensor, q: Quantized, shard: ShardCast | None) -> tuple[int | Tensor, Tensor]:
+        """What a recorded cast did to its elements; for a shard, summed over its groups (the whole tensor's)."""
+        elements, counts = cast_counts(x, q, slot.spec.fp8_max)
+        if shard is None or not shard.groups:
+            return elements, counts
+        import torch.distributed as dist
+
+        packed = torch.cat([counts.new_full((1,), elements), counts])
+        for group in shard.groups:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        return packed[0], packed[1:]
+
+    def _kind(self, slot: Slot, ahead: bool, compiling: bool) -> CastKind:
+        """What the cast counts as: made ahead of its use, or classified (backward roles always record)."""
+        if ahead:
+            return CastKind.AHEAD
+        return self._classify(slot, compiling) if slot.forward else CastKind.RECORD
 
     def _classify(self, slot: Slot, compiling: bool) -> CastKind:
         signals = read_signals(self._state.phases.phase, compiling=compiling)
@@ -103,27 +235,27 @@ class Caster:
             )
         return kind
 
-    def _cast_keeping_amax(self, slot: Slot, x: Tensor, transpose: bool) -> tuple[Quantized, Tensor]:
+    def _cast_keeping_amax(
+        self, slot: Slot, x: Tensor, transpose: bool, shard: ShardCast | None
+    ) -> tuple[Quantized, Tensor]:
         """An eager cast that records its amax into a fresh 0-d tensor (for the cache and debug mode)."""
         amax = torch.zeros((), dtype=torch.float32, device=self._state.device)
-        return self._eager_cast(slot, x, transpose, amax), amax
+        return self._run(slot, x, transpose, self._state.views_of(slot)[0], amax, shard, compiling=False), amax
 
-    def _eager_cast(self, slot: Slot, x: Tensor, transpose: bool, record: Tensor | None) -> Quantized:
-        st = self._state
-        jit = st.jit(slot, delayed=self._delayed, compiling=False)
-        request = CastRequest(x.detach(), slot.spec, st.views_of(slot)[0], jit, record, transpose)
-        return self._binding.backend.cast(request)
-
-    def _cast_weight(self, slot: Slot, x: Tensor, kind: CastKind, transpose: bool) -> Quantized:
+    def _cast_weight(
+        self, slot: Slot, x: Tensor, kind: CastKind, transpose: bool, shard: ShardCast | None
+    ) -> Quantized:
         """Weights are cast once per (tensor version, scale epoch); every training use records.
 
         A training cast writes its amax straight into the slot's accumulator in
         the backend's pass; later uses in the epoch have nothing to add. A cast
-        made in recompute or evaluation (or in debug mode, which compares every
-        amax) keeps its amax aside for the training uses that hit it.
+        made in recompute, evaluation or ahead of its use (or in debug mode,
+        which compares every amax) keeps its amax aside for the training uses
+        that hit it. A shard's cast hits only for the same whole-tensor amax.
         """
         st = self._state
-        entry = st.casts.get(slot, x, st.epoch)
+        whole = None if shard is None else shard.amax
+        entry = st.casts.get(slot, x, st.epoch, whole)
         usable = entry is not None and (not transpose or entry.quantized.transposed is not None)
         if entry is not None and usable and (entry.amax is not None or st.checker is None):
             if entry.amax is not None:
@@ -131,29 +263,30 @@ class Caster:
             elif kind is CastKind.RECORD:
                 st.note_recorded(slot)
             if kind is CastKind.RECORD and self._stats:
-                self._count_weight(slot, x, entry.quantized)
+                self._count_weight(slot, x, entry.quantized, shard)
             # What was asked for, whatever the cast held: a recompute that misses gets the same.
             return entry.quantized if transpose else entry.quantized.rowwise()
         if self._stats:
             self._weight_counts.pop(slot.row, None)  # a new cast: counts of the old one no longer apply
         if kind is CastKind.RECORD and st.checker is None:
-            q = self._eager_cast(slot, x, transpose, st.views_of(slot)[1])
-            st.casts.put(slot, x, st.epoch, q, None)
+            scale, acc = st.views_of(slot)
+            q = self._run(slot, x, transpose, scale, acc, shard, compiling=False)
+            st.casts.put(slot, x, st.epoch, q, None, whole)
             st.note_recorded(slot)
         else:
-            q, amax = self._cast_keeping_amax(slot, x, transpose)
-            st.casts.put(slot, x, st.epoch, q, amax)
+            q, amax = self._cast_keeping_amax(slot, x, transpose, shard)
+            st.casts.put(slot, x, st.epoch, q, amax, whole)
             self._record(slot, kind, amax)
         if kind is CastKind.RECORD and self._stats:
-            self._count_weight(slot, x, q)
+            self._count_weight(slot, x, q, shard)
         return q
 
-    def _count_weight(self, slot: Slot, x: Tensor, q: Quantized) -> None:
+    def _count_weight(self, slot: Slot, x: Tensor, q: Quantized, shard: ShardCast | None) -> None:
         """Add a training use of a (cached) weight cast to the slot's counters, counting it once per epoch."""
         st = self._state
         known = self._weight_counts.get(slot.row)
         if known is None or known[0] != st.epoch:
-            known = self._weight_counts[slot.row] = (st.epoch, *cast_counts(x, q, slot.spec.fp8_max))
+            known = self._weight_counts[slot.row] = (st.epoch, *self._counts(slot, x, q, shard))
         st.add_counts(slot, known[1], known[2])
 
     def _record(self, slot: Slot, kind: CastKind, amax: Tensor) -> None:

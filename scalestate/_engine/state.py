@@ -204,7 +204,7 @@ class State:
         """``[N, 4]`` int64 cast statistics of the last completed step (empty when not collected)."""
         return self._last_counts[: len(self._slots)]
 
-    def add_counts(self, slot: Slot, elements: int, counts: Tensor) -> None:
+    def add_counts(self, slot: Slot, elements: int | Tensor, counts: Tensor) -> None:
         """Add one recorded cast's statistics (see :func:`scalestate.diagnostics.cast_counts`) to this step's."""
         row = self._counts[slot.row]
         row[0].add_(elements)
@@ -300,14 +300,17 @@ class State:
         self._casts.clear()
 
     # ------------------------------------------------------------- values
-    def jit(self, slot: Slot, *, delayed: bool, compiling: bool) -> bool | Tensor:
+    def jit(self, slot: Slot, *, delayed: bool, compiling: bool, host: bool = False) -> bool | Tensor:
         """Whether a cast of ``slot`` scales from its own tensor.
 
         Always for current scaling; for delayed scaling while the slot has no
         history (its newest entry is 0). Decided on the host where that is
         free (before any step, on the CPU, or once known), else on the device
         with no sync; always on the device while compiling, so that no host
-        value becomes a guard.
+        value becomes a guard. ``host=True`` (eager only): decided on the host
+        on every device, reading the newest entry there while the slot is not
+        known to have history (a device sync on GPUs; once known, it stays
+        known until a load or a step that may forget histories).
         """
         if not delayed:
             return True
@@ -318,7 +321,7 @@ class State:
         if slot.row in self._with_history:
             return False
         newest = self._history[slot.row, -1]
-        if self._device.type != "cpu":
+        if self._device.type != "cpu" and not host:
             return newest <= 0
         if float(newest) > 0:
             self._with_history.add(slot.row)

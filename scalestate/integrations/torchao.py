@@ -41,9 +41,9 @@ from torch import Tensor
 from scalestate.errors import ConversionError, ConversionTypeError, MissingDependencyError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
+from scalestate.nn.base import WeightSlotModule
 from scalestate.nn.convert import check_prefix, find_layers, slot_names, swap_layers
 from scalestate.nn.linear import Linear as ScalestateLinear
-from scalestate.nn.linear import WeightSlotModule
 from scalestate.recipe import CurrentScaling, DelayedScaling, Format, Role
 
 try:

@@ -21,8 +21,9 @@ import torch
 from scalestate.errors import ConversionError, ConversionTypeError, SlotError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
+from scalestate.nn.base import WeightSlotModule, free_name
 from scalestate.nn.fsdp import wrap_weight
-from scalestate.nn.linear import Linear, WeightSlotModule, _free_name
+from scalestate.nn.linear import Linear
 
 #: An FP8 module with one weight, as conversions make them.
 M = TypeVar("M", bound=WeightSlotModule)
@@ -362,7 +363,7 @@ def slot_names(
         if paths[0]:
             names[key] = f"{prefix}.{paths[0]}" if prefix else paths[0]
         else:
-            names[key] = prefix or _free_name(manager, root_name(module))
+            names[key] = prefix or free_name(manager, root_name(module))
     refuse_taken_names(manager, list(names.values()))
     return names
 

@@ -6,30 +6,36 @@ forward (and again before backward). Gathering the weight already cast to
 FP8 halves the all-gather bytes against bf16, with no extra collective and
 with the manager's semantics unchanged:
 
-* **One scale for the whole weight.** Every rank casts its shard with the
-  WEIGHT slot's delayed scale, which :meth:`ScalingStateManager.step` makes
-  identical on every rank of the reduction group (invariant 10).
-* **The shard amaxes ride in the step's one all-reduce.** The cast of a shard
-  records the shard's amax into the WEIGHT slot's accumulator; the step's
-  all-reduce MAX over the group turns it into the whole weight's amax, the
-  value an unsharded cast would have recorded.
-* **Just in time, before the first step.** A slot with no history yet is
-  scaled from the tensor it casts; a shard alone would give each rank its own
-  scale. While the WEIGHT slot has no history (delayed scaling before its
-  first ``step()``; every step under :class:`~scalestate.CurrentScaling`),
-  the shards' amaxes are all-reduced (MAX) over FSDP's shard group, one small
-  all-reduce per weight, once per weight version, and the shard is cast as if
-  it held that amax: the scale is exactly the one a cast of the whole weight
-  derives. From the first step on, no collective is added.
-* **Cached and classified like any weight cast.** The cast goes through
-  :meth:`ScalingHandle.quantize`, so it is made once per (weight version,
-  scale epoch): FSDP's re-gather before backward reuses it, bit for bit,
-  records nothing (it runs inside autograd's backward, like a recompute),
-  and an evaluation pass records nothing. FSDP runs the cast under
-  ``no_grad``; the layer's own forward then uses the cached cast once more,
-  in the caller's grad mode and phase, which is what decides whether the
-  amax counts for the step (invariant 5: a cache hit records exactly what a
-  fresh cast would have).
+* **One scale for the whole weight.** Every rank casts its shard through the
+  handle as a shard of the whole weight (``handle.quantize(shard, Role.WEIGHT,
+  amax=..., shard_group=...)``); the manager alone decides its scale: the
+  WEIGHT slot's, which :meth:`ScalingStateManager.step` makes identical on
+  every rank of the reduction group (invariant 10), or, while the slot has no
+  history (delayed scaling before its first ``step()``, after a load or a
+  ``"fallback"`` step that took it away; every step under
+  :class:`~scalestate.CurrentScaling`), one derived just in time from the
+  whole weight's amax, the scale a cast of the whole weight derives.
+* **No collective added once the slot has history.** The whole weight's amax
+  is handed over as a function: the manager calls it only for a just-in-time
+  scale, and it then all-reduces (MAX, NaN kept) the shards' amaxes over FSDP's
+  shard group, one small all-reduce per weight version. Otherwise each cast
+  records its shard's own amax, and the step's one all-reduce MAX over the
+  group turns it into the whole weight's, the value an unsharded cast would
+  have recorded.
+* **Cached and classified like any weight cast, counted once per use.** The
+  cast before the all-gather is made ahead of its use
+  (``ahead_of_use=True``): it records and counts nothing, and the manager's
+  cast cache keeps it, once per (weight version, scale epoch): FSDP's
+  re-gather before backward reuses it, bit for bit. The layer's own forward
+  then casts the same shard once more (a cache hit), in the caller's grad mode
+  and phase, which is what decides whether the amax counts for the step
+  (invariant 5: a cache hit records exactly what a fresh cast would have); an
+  evaluation pass and a recompute record nothing. Under
+  ``collect_stats=True`` the shards' cast statistics are summed over the
+  shard group (one all-reduce of four integers per weight version), so
+  :meth:`ScalingStateManager.stats` counts the whole weight once per use, as
+  an unsharded run does; FSDP's padding is added as FP8 zero bytes after the
+  cast and counts nothing.
 * **Same numbers as the bf16 all-gather.** Under a ``MixedPrecisionPolicy``
   the shard is first rounded to ``param_dtype``, exactly the values the layer
   would have cast after a high-precision all-gather; so training with and
@@ -48,7 +54,6 @@ and ``ss.nn.convert(..., fp8_all_gather=True)``; eager mode only.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,11 +64,9 @@ from torch import Tensor
 
 from scalestate.errors import ArgumentValueError, CastError
 from scalestate.handle import ScalingHandle
-from scalestate.nn.fsdp_gathered import GatheredFP8Weight
-from scalestate.quantized import Quantized
-from scalestate.recipe import Role
+from scalestate.nn.fsdp_gathered import GatheredFP8Weight, ShardSource
 
-__all__ = ["FP8AllGatherWeight", "GatheredFP8Weight", "plain_state_dict", "quantize_weight", "wrap_weight"]
+__all__ = ["FP8AllGatherWeight", "GatheredFP8Weight", "plain_state_dict", "wrap_weight"]
 
 _aten = torch.ops.aten
 
@@ -93,13 +96,15 @@ class FP8AllGatherWeight(torch.Tensor):
     all-gather (see the module docstring for the scaling rules).
 
     Made by ``ss.nn.Linear(..., fp8_all_gather=True)``; read-only attributes:
-    :attr:`handle`. Its ``state_dict`` entries are the plain tensors it wraps.
+    :attr:`handle`, :attr:`wrapped`. Its ``state_dict`` entries are the plain
+    tensors it wraps.
 
     .. warning:: Under delayed scaling, until the WEIGHT slot has history,
-       each new shard cast reads the slot's newest history entry on the host:
-       a device sync on GPUs, in the first step only (and after a
-       ``load_state_dict``). Under ``on_nonfinite="fallback"``, where a step
-       may zero the history, it is read once per step.
+       the manager decides whether a new shard cast is scaled just in time by
+       reading the slot's newest history entry on the host: a device sync on
+       GPUs, in the first step only (and after a ``load_state_dict``). Under
+       ``on_nonfinite="fallback"``, where a step may zero the history, it is
+       read once per step.
     """
 
     _tensor: Tensor
@@ -108,11 +113,7 @@ class FP8AllGatherWeight(torch.Tensor):
     _root: Tensor
     _handle: ScalingHandle
     #: (key, source) of the last shard cast source (see _source).
-    _source_memo: tuple[tuple[Any, ...], Tensor] | None
-    #: manager.iteration at which the WEIGHT slot was last known to have history.
-    _history_known_at: int | None
-    #: (manager.iteration, source, cast) of the last shard cast (to see the cast cache miss).
-    _last_cast: tuple[int, Tensor, Quantized] | None
+    _source_memo: tuple[tuple[Any, ...], ShardSource] | None
 
     def __new__(cls, tensor: Tensor, handle: ScalingHandle, root: Tensor | None = None) -> FP8AllGatherWeight:
         out: FP8AllGatherWeight = torch.Tensor._make_wrapper_subclass(
@@ -132,13 +133,16 @@ class FP8AllGatherWeight(torch.Tensor):
         self._root = tensor if root is None else root
         self._handle = handle
         self._source_memo = None
-        self._history_known_at = None
-        self._last_cast = None
 
     @property
     def handle(self) -> ScalingHandle:
         """The handle whose WEIGHT slot scales the FP8 all-gather."""
         return self._handle
+
+    @property
+    def wrapped(self) -> Tensor:
+        """The plain tensor it wraps (its values, shared)."""
+        return self._tensor
 
     def __repr__(self) -> str:  # type: ignore[override]  # torch's stub has extra keyword parameters
         return f"FP8AllGatherWeight(slot={self._handle.name!r}, {self._tensor!r})"
@@ -203,24 +207,10 @@ class FP8AllGatherWeight(torch.Tensor):
             )
         padded_rows = -(-outer_size[0] // world)  # FSDP pads every shard to the first one's rows
         dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else local.dtype
-        source = self._source(mesh, dtype, padded_rows)
-        q = self._handle.quantize(source, Role.WEIGHT)
-        iteration = self._handle.manager.iteration
-        last = self._last_cast
-        if last is not None and last[0] == iteration and last[1] is source and last[2] is not q:
-            # The cast cache missed with no step in between: the scale epoch changed
-            # (load_state_dict, discard_step, invalidate_casts, to()), and a load may have
-            # replaced the histories. Read the slot's history again; if that changes whether
-            # the slot is scaled just in time, the source (and the cast) must change too.
-            self._history_known_at = None
-            renewed = self._source(mesh, dtype, padded_rows)
-            if renewed is not source:
-                source = renewed
-                q = self._handle.quantize(source, Role.WEIGHT)
-        self._last_cast = (iteration, source, q)
-        data = q.data[:-1].view(padded_rows, *outer_size[1:])
+        source = self._source(mesh, dtype)
+        q = source.quantize(self._handle, ahead_of_use=True)
         # Gathered as bytes: every process-group backend takes uint8 (not all take float8).
-        return (data.view(torch.uint8),), (q.data.dtype, q.scale, q.scale_inv, source)
+        return (source.gather_input(q, padded_rows),), (q.data.dtype, q.scale, q.scale_inv, source)
 
     def fsdp_post_all_gather(
         self,
@@ -245,60 +235,20 @@ class FP8AllGatherWeight(torch.Tensor):
         return GatheredFP8Weight(data, scale, scale_inv, source, self._handle, param_dtype), (gathered,)
 
     # --------------------------------------------------------------- helpers
-    def _source(self, mesh: Any, dtype: torch.dtype, padded_rows: int) -> Tensor:
-        """The flat tensor the shard is cast from: the shard in ``dtype``, zero-padded, plus one element.
+    def _source(self, mesh: Any, dtype: torch.dtype) -> ShardSource:
+        """What the shard is cast from: its values in ``dtype`` (a copy), and FSDP's shard group.
 
-        The extra last element is 0, or, while the slot is scaled just in time,
-        the amax of the whole weight (all-reduced over the shard group), so that
-        the cast derives the scale a cast of the whole weight would. Kept while the
-        shard is unchanged, so that the manager's cast cache recognises it.
+        Kept while the shard is unchanged, so that the manager's cast cache
+        recognises it (and its whole-weight amax is reduced once).
         """
         local = self._tensor
-        jit = self._scaled_just_in_time()
-        key = (self._root._version, local._version, local.data_ptr(), dtype, padded_rows, jit)
+        key = (self._root._version, local._version, local.data_ptr(), dtype)
         memo = self._source_memo
         if memo is not None and memo[0] == key:
             return memo[1]
-        cols = math.prod(local.shape[1:])
-        source = torch.zeros(padded_rows * cols + 1, dtype=dtype, device=local.device)
-        source[: local.numel()].copy_(local.reshape(-1))
-        if jit:
-            amax = torch.linalg.vector_norm(source[:-1].float(), float("inf"))
-            # NaN as +inf, so that every rank reduces to the same non-finite value
-            # (which leaves every rank's scale at its previous value, as the step does).
-            amax = torch.nan_to_num(amax, nan=float("inf"))
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-            source[-1] = amax
+        source = ShardSource(local.detach().to(dtype, copy=True), mesh.get_group())
         self._source_memo = (key, source)
         return source
-
-    def _scaled_just_in_time(self) -> bool:
-        """Whether the WEIGHT slot's next cast scales from the tensor (no history yet).
-
-        The same answer on every rank: histories are reduced. Reads the slot's
-        newest history entry on the host (a device sync on GPUs) until it is
-        non-zero, then trusts it while the slot cannot have lost its history:
-        within an iteration, and across one step unless the manager's policy
-        is ``on_nonfinite="fallback"`` (whose non-finite steps zero histories).
-        It reads again after any other change of ``manager.iteration`` (a
-        ``load_state_dict``) and after a load at the same iteration
-        (:meth:`fsdp_pre_all_gather` sees the cast cache miss).
-        """
-        manager = self._handle.manager
-        if not manager.recipe.delayed:
-            return True
-        iteration = manager.iteration
-        known = self._history_known_at
-        if known is not None and (
-            iteration == known or (iteration == known + 1 and manager.on_nonfinite != "fallback")
-        ):
-            self._history_known_at = iteration
-            return False
-        if float(self._handle.amax_history(Role.WEIGHT)[-1]) > 0:
-            self._history_known_at = iteration
-            return False
-        self._history_known_at = None
-        return True
 
 
 def _require_reduction(handle: ScalingHandle, mesh: Any) -> None:
@@ -339,19 +289,6 @@ def _count_writes(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Non
                 for written in (t._tensor, t._root) if t._root is not t._tensor else (t._tensor,):
                     if not written.is_inference():
                         torch.autograd.graph.increment_version(written)
-
-
-def quantize_weight(handle: ScalingHandle, weight: Tensor, *, transpose: bool = False) -> Quantized:
-    """The FP8 weight of a product: the FP8 all-gather's output if FSDP made one, else a cast.
-
-    In every case the WEIGHT slot is accounted for exactly as by
-    ``handle.quantize(weight, Role.WEIGHT)``.
-    """
-    if isinstance(weight, GatheredFP8Weight):
-        return weight.quantized(transpose=transpose)
-    if isinstance(weight, FP8AllGatherWeight):  # not sharded: cast the values it wraps
-        weight = weight._tensor
-    return handle.quantize(weight, Role.WEIGHT, transpose=transpose)
 
 
 def wrap_weight(weight: Tensor, handle: ScalingHandle) -> torch.nn.Parameter:

@@ -17,12 +17,16 @@ give back), runs the FP8 products on them, and returns a DTensor with the
 placements torch's own ``F.linear`` would give (``Shard(-1)`` column-parallel,
 ``Partial()`` row-parallel, ``Shard(d)`` for sharded activations). A cast of a
 shard first max-reduces its amax over the mesh dimensions that shard it (one
-all-reduce MAX of two floats, through DTensor's ``Partial("max")``); the manager
-then decides the cast's scale from that amax exactly as for the whole tensor:
-the slot's scale once it has history (delayed scaling), else just in time
-from the global amax. It records the global amax, so TP ranks' scales agree
-whatever group the manager reduces over. Replicated tensors are cast by the
-manager directly (nothing to reduce).
+all-reduce MAX of two floats, through DTensor's ``Partial("max")``) and hands
+it to the manager with the shard (``handle.quantize(shard, role, amax=...,
+shard_group=...)``); the manager then decides the cast's scale from that amax
+exactly as for the whole tensor: the slot's scale once it has history
+(delayed scaling), else just in time from the global amax. It records the
+global amax, so TP ranks' scales agree whatever group the manager reduces
+over, and under ``collect_stats=True`` it sums the shards' cast statistics
+over the same mesh dimensions, so that :meth:`~scalestate.ScalingStateManager.stats`
+counts the whole tensor's elements, as for the unsharded layer. Replicated
+tensors are cast by the manager directly (nothing to reduce).
 
 Supported placements, per mesh dimension (input, weight):
 
@@ -42,8 +46,9 @@ dimension only, so that the reduced sum holds it once, exactly.
 the sum's, so it cannot be cast before it is reduced.
 
 Costs: a sharded cast reads its shard once more (for the amax) and issues one
-two-float all-reduce per sharding mesh dimension; every DTensor weight,
-sharded or replicated, is cast at every call. The manager's weight-cast cache
+two-float all-reduce per sharding mesh dimension (under ``collect_stats=True``,
+a recorded one also an all-reduce of four integers per dimension); every
+DTensor weight, sharded or replicated, is cast at every call. The manager's weight-cast cache
 keys on the tensor and its version counter, and a DTensor has no stable
 tensor whose version follows in-place updates: ``to_local()`` returns a new
 view at each call, and torch (2.13) bumps neither the DTensor's version nor
@@ -61,12 +66,13 @@ import attrs
 import torch
 from torch import Tensor
 
-from scalestate.backends import Backend, CastRequest, CastSpec
+from scalestate.backends import Backend
 from scalestate.distributed import nan_as_flags, nan_from_flags
 from scalestate.errors import CastError
 from scalestate.handle import ScalingHandle
+from scalestate.nn.function import FP8LinearFunction
 from scalestate.quantized import Quantized
-from scalestate.recipe import Role, fp8_max
+from scalestate.recipe import Role
 from scalestate.sac import hidden_from_sac
 
 if TYPE_CHECKING:
@@ -253,13 +259,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
     x2 = x_local if x_local.dim() == 2 else x_local.reshape(-1, x_local.shape[-1])
     qx = caster.cast(x2, Role.INPUT, layout.x_dims, transpose)
     qw = caster.cast(w_local, Role.WEIGHT, layout.w_dims, transpose)
-    from scalestate.nn.linear import _FP8Linear  # here: scalestate.nn.linear imports this module
 
     def cast_grad(grad_out: Tensor, transpose: bool) -> Quantized:  # with the whole gradient's scale
         return caster.cast(grad_out, Role.GRAD_OUTPUT, layout.g_dims, transpose)
 
     # torch types Function.apply as untyped; its result here is the forward's Tensor
-    out2: Tensor = _FP8Linear.apply(  # type: ignore[no-untyped-call]
+    out2: Tensor = FP8LinearFunction.apply(  # type: ignore[no-untyped-call]
         x2, w_local, b_local, qx, qw, cast_grad, caster.backend, out_dtype, bias_here
     )
     out_local = out2 if x_local.dim() == 2 else out2.reshape(*x_local.shape[:-1], w_local.shape[0])
@@ -289,22 +294,18 @@ class _ShardCaster:
     def cast(self, x: Tensor, role: Role, dims: Sequence[int], transpose: bool) -> Quantized:
         """Cast the local shard ``x``, sharded over mesh dimensions ``dims``, for ``role``.
 
-        Unsharded: the manager casts it itself. Sharded: the global amax is
-        reduced, the manager casts a one-element stand-in holding it (which
-        classifies the cast, records the amax, and yields the scale of the
-        whole tensor: the slot's, or one just in time from that amax), and the
-        backend casts the shard with that scale.
+        Unsharded: a plain cast. Sharded: the amax of the whole tensor is
+        reduced over ``dims`` and handed to the manager with the shard
+        (``quantize(..., amax=..., shard_group=...)``), which casts it with the
+        scale of the whole tensor, records the whole tensor's amax, and counts
+        the whole tensor's elements for its statistics.
         """
         if not dims:
             return self.handle.quantize(x, role, transpose=transpose)
-        with hidden_from_sac():  # like every cast (see scalestate.sac)
+        with hidden_from_sac():  # like every cast's own operations (see scalestate.sac)
             amax = _global_amax(x, self.mesh, dims)
-            scale = self.handle.quantize(amax, role).scale
-            recipe = self.handle.manager.recipe
-            dtype = recipe.format.dtype(role)
-            spec = CastSpec(dtype, fp8_max(dtype), recipe.rule)
-            request = CastRequest(x.detach(), spec, scale, False, None, transpose)
-            return self.backend.cast(request)
+        groups = [self.mesh.get_group(i) for i in dims]
+        return self.handle.quantize(x, role, transpose=transpose, amax=amax, shard_group=groups)
 
 
 def _global_amax(x: Tensor, mesh: DeviceMesh, dims: Sequence[int]) -> Tensor:

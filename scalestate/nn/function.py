@@ -1,0 +1,110 @@
+"""`FP8LinearFunction`: the autograd Function of an FP8 linear layer, shared by every module of `scalestate.nn`.
+
+Its forward multiplies operands already cast to FP8; its backward casts the
+output gradient through a caller's function and runs both gradient products
+in FP8. :func:`scalestate.nn.linear` calls it on whole tensors, and
+:func:`scalestate.nn.tensor_parallel.linear` on the local shards of DTensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from scalestate.backends import Backend
+from scalestate.quantized import Quantized
+
+__all__ = ["FP8LinearFunction", "GradCaster", "product"]
+
+
+#: Casts the output gradient: ``cast_grad(dy, transpose) -> Quantized``.
+GradCaster = Callable[[Tensor, bool], Quantized]
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    """``y = x @ w.T + b`` with x and w already cast; backward casts ``dy`` with
+    ``cast_grad`` and runs both of its products in FP8. Only FP8 tensors (and their
+    scales) are saved. ``add_bias=False`` leaves the bias out of this rank's output
+    (a partial sum that another rank adds it to) while still giving it its gradient.
+    ``weight_transposed=True``: the ``weight`` parameter is stored ``(in, out)`` (``qw``
+    is still its cast in the ``(out, in)`` orientation); its gradient is returned transposed."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        qx: Quantized,
+        qw: Quantized,
+        cast_grad: GradCaster,
+        backend: Backend,
+        out_dtype: torch.dtype,
+        add_bias: bool = True,
+        weight_transposed: bool = False,
+    ) -> Tensor:
+        ctx.weight_transposed = weight_transposed
+        ctx.fine = qx.tile is not None
+        if ctx.fine:
+            # Each product takes its operands scaled along its own contraction axis:
+            # x and w along in_features here; w along out_features and x along tokens later.
+            out = product(backend, qx.rowwise(), qw.rowwise().t(), out_dtype, bias if add_bias else None)
+            ctx.x_is_transposed = True
+            x_saved, w_saved = qx.columnwise(), qw  # backward needs x only along tokens
+        else:
+            out = product(backend, qx, qw.t(), out_dtype, bias if add_bias else None)
+            # The weight-gradient product needs x in the other layout: keep only that copy when the cast made it.
+            ctx.x_is_transposed = qx.transposed is not None
+            x_saved = qx if qx.other is None else Quantized.of(qx.other)
+            w_saved = qw
+        x_tensors, ctx.x_layout = x_saved.flatten()
+        w_tensors, ctx.w_layout = w_saved.flatten()
+        ctx.n_x = len(x_tensors)
+        ctx.save_for_backward(*x_tensors, *w_tensors)
+        ctx.cast_grad = cast_grad
+        ctx.backend = backend
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        qx = Quantized.unflatten(saved[: ctx.n_x], ctx.x_layout)
+        qw = Quantized.unflatten(saved[ctx.n_x :], ctx.w_layout)
+        cast_grad: GradCaster = ctx.cast_grad
+        backend: Backend = ctx.backend
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        if need_x or need_w:
+            qg = cast_grad(grad_out, ctx.x_is_transposed)
+            if ctx.fine:
+                if need_x:  # dy @ w: both along out_features
+                    grad_x = product(backend, qg.rowwise(), qw.columnwise().t(), x_dtype)
+                if need_w:  # dy.T @ x: both along tokens (qx is x.t() cast along its rows)
+                    grad_w = product(backend, qg.columnwise(), qx.t(), w_dtype)
+            else:
+                if need_x:
+                    grad_x = product(backend, qg, qw, x_dtype)
+                if need_w:
+                    grad_w = product(backend, qg.t(), qx.t() if ctx.x_is_transposed else qx, w_dtype)
+        if need_b:
+            grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
+        if grad_w is not None and ctx.weight_transposed:
+            grad_w = grad_w.t()  # the same values, in the parameter's (in, out) layout
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def product(
+    backend: Backend, a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | None = None
+) -> Tensor:
+    """The backend's FP8 product, with autocast off (the operands are FP8 and accumulate in
+    float32); the autocast context is entered only where autocast is on, as it costs microseconds."""
+    device_type = a.data.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return backend.scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
+    with torch.autocast(device_type, enabled=False):
+        return backend.scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
