@@ -22,7 +22,8 @@ role), and :meth:`ScalingStats.flat` for any logger. The definitions:
     :meth:`~scalestate.ScalingStateManager.nonfinite_counts`).
 ``saturated_fraction``, ``underflow_fraction``, ``cast_elements``
     Only with ``ScalingStateManager(..., collect_stats=True)``; see
-    :func:`cast_counts` for what is counted, over which casts.
+    :data:`COUNT_FIELDS` for what is counted (over a step's recorded casts; a
+    recompute or evaluation cast never counts).
 
 A :class:`RiskFlag` marks a slot that needs a look; the diagnostics guide
 (``docs/diagnostics.md``) says what to do about each.
@@ -38,20 +39,15 @@ import attrs
 import torch
 from torch import Tensor
 
-from scalestate.quantized import Orientation, Quantized
 from scalestate.recipe import Recipe, Role
-from scalestate.tiles import apply_tile_scales
 
-__all__ = ["COUNT_FIELDS", "RiskFlag", "ScalingStats", "SlotStats", "build_stats", "cast_counts"]
+__all__ = ["COUNT_FIELDS", "RiskFlag", "ScalingStats", "SlotStats", "build_stats"]
 
 #: Below this headroom (in bits) a delayed-scaling slot is flagged :attr:`RiskFlag.LOW_HEADROOM`.
 LOW_HEADROOM_BITS = 1.0
 
 #: The columns of the per-slot counters, in order (int64, summed over a step's recorded casts).
 COUNT_FIELDS = ("elements", "saturated", "nonzero_inputs", "nonzero_codes")
-
-#: FP8 codes with every bit but the sign clear are +0 and -0 (E4M3FN and E5M2 alike).
-_MAGNITUDE_BITS = 0x7F
 
 
 class RiskFlag(enum.Enum):
@@ -203,43 +199,6 @@ class ScalingStats(Mapping[str, Mapping[Role, SlotStats]]):
     def __repr__(self) -> str:
         risky = len(self.at_risk())
         return f"<ScalingStats(step={self._iteration}, slots={len(self._slots)}, at_risk={risky})>"
-
-
-def cast_counts(x: Tensor, q: Quantized, fp8_max: float) -> tuple[int, Tensor]:
-    """What one cast did to its elements: ``(elements, counts)``, counted on the device.
-
-    ``counts`` is an int64 ``[3]`` tensor: ``saturated``, ``nonzero_inputs``
-    and ``nonzero_codes`` of :data:`COUNT_FIELDS` (``elements`` is known on
-    the host). Per element of ``x`` cast with the scale ``s`` of its tile (the
-    one per-tensor scale, or the scale of its row, tile, block or MX block):
-
-    * saturated: ``|x * s| > fp8_max``, computed as the cast computes it, so
-      exactly the elements the cast clipped (``+-inf`` included; NaN is not);
-    * non-zero input: ``x != 0`` (NaN included);
-    * non-zero code: the FP8 result is neither ``+0`` nor ``-0``. A zero
-      input always gives a zero code, so ``nonzero_inputs - nonzero_codes``
-      elements were non-zero and flushed to zero by the cast.
-
-    Where the cast made a second quantization of ``x.t()`` with scales of its
-    own (row-wise, tiles, MX with ``transpose=True``), its elements count too;
-    a transposed copy of the same values (per-tensor scales, square blocks)
-    does not count twice. No host-device sync.
-    """
-    xf = x.detach().float()
-    primary, other = q.primary, q.other
-    n, counts = _orientation(xf, primary, fp8_max)
-    if other is not None and primary.tile is not None and primary.tile[0] == 1 and other.tile is not None:
-        n_t, counts_t = _orientation(xf.t(), other, fp8_max)
-        n, counts = n + n_t, counts + counts_t
-    return n, counts
-
-
-def _orientation(xf: Tensor, o: Orientation, fp8_max: float) -> tuple[int, Tensor]:
-    scaled = xf * o.scale if o.tile is None else apply_tile_scales(xf, o.scale, o.tile)  # a fresh tensor
-    saturated = torch.count_nonzero(scaled.abs_() > fp8_max)
-    nonzero_inputs = torch.count_nonzero(xf)
-    nonzero_codes = torch.count_nonzero(torch.bitwise_and(o.data.view(torch.uint8), _MAGNITUDE_BITS))
-    return xf.numel(), torch.stack([saturated, nonzero_inputs, nonzero_codes])
 
 
 def build_stats(

@@ -19,6 +19,9 @@ What each module holds, so that a reader of the manager can find it:
 ``stepping``
     The end of a step: checks, the one cross-rank reduction, the non-finite
     policy, the backend's fused update.
+``counting``
+    What one recorded cast did to its elements (clipped, flushed to zero),
+    counted on the device for ``collect_stats=True``.
 ``debug``
     Debug mode's recompute check (every recompute must reproduce an amax its
     forward observed).

@@ -11,7 +11,7 @@ the cache, the phase and debug mode, so SAC must neither number nor keep its
 operations.
 
 With ``collect_stats``, every recorded cast also adds what it did to its
-elements (:func:`scalestate.diagnostics.cast_counts`) to the slot's counters,
+elements (`scalestate._engine.counting.cast_counts`) to the slot's counters,
 on the device; recompute and evaluation casts count nothing, as they record
 nothing. A cached weight cast counts at every training use that records it
 (its counts are computed once per cast and scale epoch, then added).
@@ -36,9 +36,9 @@ import torch
 from torch import Tensor
 
 from scalestate._engine.binding import BackendBinding, settle_during_trace
+from scalestate._engine.counting import cast_counts
 from scalestate._engine.state import Slot, State
 from scalestate.backends import CastRequest
-from scalestate.diagnostics import cast_counts
 from scalestate.errors import ArgumentTypeError, ArgumentValueError, CastError, PhaseError
 from scalestate.math import scale_from_amax
 from scalestate.phase import CastKind, classify, in_training_function_forward, read_signals

@@ -205,7 +205,7 @@ class State:
         return self._last_counts[: len(self._slots)]
 
     def add_counts(self, slot: Slot, elements: int | Tensor, counts: Tensor) -> None:
-        """Add one recorded cast's statistics (see :func:`scalestate.diagnostics.cast_counts`) to this step's."""
+        """Add one recorded cast's statistics (see `scalestate._engine.counting.cast_counts`) to this step's."""
         row = self._counts[slot.row]
         row[0].add_(elements)
         row[1:].add_(counts)
