@@ -27,8 +27,8 @@ from scalestate.atomic import atomic_save
 from scalestate.errors import ArgumentTypeError, ConversionTypeError, MissingDependencyError, StateDictError
 from scalestate.manager import ScalingStateManager
 from scalestate.nn.base import WeightSlotModule, check_module_arguments
-from scalestate.nn.convert import ConversionRequest, adopt_parameters, register_conversion, registered_conversions
 from scalestate.nn.linear import linear
+from scalestate.nn.registry import ConversionRequest, adopt_parameters, register_conversion, registered_conversions
 
 _EXTRA = 'pip install "scalestate[transformers]"'
 
