@@ -167,7 +167,11 @@ def _checkpoint_command(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False)
     console.print(f"{where}: {recipe!r}, step {stats.iteration}, {len(stats.slots())} slots", markup=False,
                   highlight=False)
-    console.print(stats_table(stats))
+    if not stats.slots():
+        console.print("  no slots: the manager had no module registered when this state was saved", markup=False,
+                      highlight=False)
+    else:
+        console.print(stats_table(stats))
     risky = stats.at_risk()
     used = sorted({f for s in risky for f in s.flags}, key=list(FLAG_HELP).index)
     for flag in used:

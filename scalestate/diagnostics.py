@@ -17,6 +17,9 @@ role), and :meth:`ScalingStats.flat` for any logger. The definitions:
     delayed scaling it is at least the recipe's ``margin``; under the
     just-in-time recipes every cast scales from its own tensor (or tile), so
     the value only shows the rounding of the scale (0 to 1 bit) and is no risk.
+``step_amax``
+    The amax recorded since the last step (what the next ``step()`` adds to
+    the history); 0 between steps.
 ``nonfinite_steps``
     Steps whose amax was NaN or infinite (see
     :meth:`~scalestate.ScalingStateManager.nonfinite_counts`).
@@ -70,6 +73,9 @@ class RiskFlag(enum.Enum):
     #: Delayed scaling, history of 2 or more: every entry is filled and equal, so the scale has
     #: not moved over the whole window (expected of a frozen weight).
     CONSTANT = "constant"
+    #: Casts were recorded (``step_amax > 0``) but ``step()`` never ran (iteration 0), or a live
+    #: manager saw the signs of a forgotten ``step()`` (see :mod:`scalestate.stepwatch`).
+    NO_STEP = "no-step"
 
 
 @attrs.frozen
@@ -104,6 +110,9 @@ class SlotStats:
     underflow_fraction: float | None = None
     #: What may need a look, in :class:`RiskFlag` order.
     flags: tuple[RiskFlag, ...] = ()
+    #: The amax recorded since the last step, not yet in the history (0: none; NaN or
+    #: ``+inf`` where a cast saw one).
+    step_amax: float = 0.0
 
     def flat(self, prefix: str = "scalestate") -> dict[str, float]:
         """``{"<prefix>/<name>/<role>/<stat>": value}``; the fractions only where they are known."""
@@ -252,6 +261,9 @@ def build_stats(
     fp8_max: Tensor,
     nonfinite: Tensor,
     counts: Tensor | None,
+    step_amax: Tensor | None = None,
+    *,
+    step_overdue: bool = False,
 ) -> ScalingStats:
     """A :class:`ScalingStats` from a state's rows (reads them back to the host: a device sync).
 
@@ -265,16 +277,24 @@ def build_stats(
         nonfinite: ``[N]`` int64 non-finite step counts.
         counts: ``[N, 4]`` int64 counters of the last completed step (:data:`COUNT_FIELDS`),
             or ``None`` when statistics are off.
+        step_amax: ``[N]`` float32 amaxes recorded since the last step (``None``: zeros).
+        step_overdue: the manager saw the signs of a forgotten ``step()``
+            (:mod:`scalestate.stepwatch`): slots with a pending amax are flagged
+            :attr:`RiskFlag.NO_STEP` whatever the iteration.
     """
     n = len(slots)
-    floats = torch.cat([history.reshape(n, -1), scales.reshape(n, 1), fp8_max.reshape(n, 1)], dim=1).tolist()
+    pending = step_amax.reshape(n, 1) if step_amax is not None else scales.new_zeros(n, 1)
+    # No -1 in the shapes: a manager with no slots has zero rows, and -1 cannot be inferred from 0 elements.
+    columns = [history.reshape(n, history.shape[-1]), scales.reshape(n, 1), fp8_max.reshape(n, 1), pending]
+    floats = torch.cat(columns, dim=1).tolist()
     steps = nonfinite.tolist()
     tallies = counts.tolist() if counts is not None else None
     out = []
     for i, (name, role) in enumerate(slots):
-        *hist, scale, fmax = floats[i]
+        *hist, scale, fmax, amax_pending = floats[i]
         stat = _slot_stats(name, role, tuple(hist), scale, fmax, int(steps[i]), None if tallies is None else tallies[i])
-        out.append(attrs.evolve(stat, flags=_flags(stat, recipe, iteration)))
+        stat = attrs.evolve(stat, step_amax=amax_pending)
+        out.append(attrs.evolve(stat, flags=_flags(stat, recipe, iteration, step_overdue)))
     return ScalingStats(out, iteration=iteration, recipe=recipe, collect_stats=counts is not None)
 
 
@@ -297,8 +317,9 @@ def _slot_stats(
     )
 
 
-def _flags(s: SlotStats, recipe: Recipe, iteration: int) -> tuple[RiskFlag, ...]:
+def _flags(s: SlotStats, recipe: Recipe, iteration: int, step_overdue: bool) -> tuple[RiskFlag, ...]:
     delayed = recipe.delayed
+    pending = s.step_amax != 0.0  # > 0, +inf or NaN (NaN != 0): casts were recorded since the last step
     found = {
         RiskFlag.LOW_HEADROOM: delayed and s.amax > 0 and s.headroom_bits < LOW_HEADROOM_BITS,
         RiskFlag.SATURATED: delayed and bool(s.saturated_fraction),
@@ -306,5 +327,6 @@ def _flags(s: SlotStats, recipe: Recipe, iteration: int) -> tuple[RiskFlag, ...]
         RiskFlag.NO_AMAX: iteration > 0 and s.amax_max <= 0,
         RiskFlag.CONSTANT: delayed and len(s.amax_history) >= 2 and s.amax_history[0] > 0
         and all(h == s.amax_history[0] for h in s.amax_history),
+        RiskFlag.NO_STEP: pending and (iteration == 0 or step_overdue),
     }
     return tuple(flag for flag in RiskFlag if found[flag])

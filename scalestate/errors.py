@@ -11,6 +11,8 @@ from __future__ import annotations
 __all__ = [
     "BackendUnavailableError",
     "CastError",
+    "DeviceUnavailableError",
+    "MissingStepWarning",
     "NonFiniteAmaxError",
     "PhaseError",
     "RecipeError",
@@ -70,3 +72,17 @@ class ReductionError(ScaleStateError, RuntimeError):
 
 class NonFiniteAmaxError(ScaleStateError, FloatingPointError):
     """``on_nonfinite="raise"``: a step amax was NaN or infinite; the step changed nothing."""
+
+
+class DeviceUnavailableError(ScaleStateError, RuntimeError):
+    """The device asked for does not exist here: this torch build lacks its support, or the
+    machine lacks the device; the message says which, and what to pass instead."""
+
+
+class MissingStepWarning(UserWarning):
+    """Training went on for long without ``manager.step()``, so the scales never changed.
+
+    Given once per manager; see :mod:`scalestate.stepwatch` for the signs and
+    thresholds. Not an error: silence it with ``warnings.filterwarnings("ignore",
+    category=MissingStepWarning)`` where a step is rightly that long.
+    """

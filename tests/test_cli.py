@@ -62,7 +62,7 @@ class TestDemo:
         and says so; --block overrides it."""
         assert main(["demo", *TINY, "--steps", "1", "--no-fp32", "--recipe", "block"]) == 0
         out = capsys.readouterr().out
-        assert "BlockScaling(format=<Format.E4M3: 'e4m3'>, block=32, power_of_2=True)" in out
+        assert "BlockScaling(format=Format.E4M3, block=32, power_of_2=True)" in out
         assert "1 x 32 tiles (inputs, output gradients), 32 x 32 blocks (weights); 32, not 128: --d-model is 32" in out
         assert main(["demo", *TINY, "--steps", "1", "--no-fp32", "--recipe", "block", "--block", "16"]) == 0
         out = capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -345,3 +346,126 @@ class TestStateDictStats:
     def test_rejects_what_is_not_a_state(self):
         with pytest.raises(ss.errors.StateDictError, match="expected a state dict made by"):
             ss.stats_from_state_dict({"model": 1})
+
+
+class TestNoSlots:
+    def test_stats_of_a_manager_without_slots(self):
+        """A manager with nothing registered has empty statistics, not an error."""
+        stats = _manager().stats()
+        assert len(stats) == 0 and stats.slots() == () and stats.at_risk() == () and stats.flat() == {}
+        assert stats.iteration == 0
+
+
+def _steps_without_step(manager: ss.ScalingStateManager, layer: torch.nn.Module, opt: torch.optim.Optimizer,
+                        steps: int, microbatches: int = 1, *, step: bool = False) -> None:
+    """Training steps of ``microbatches`` passes each, the optimizer stepping after each; manager.step() if ``step``."""
+    for _ in range(steps):
+        for _ in range(microbatches):
+            with manager.forward():
+                loss = layer(torch.randn(2, 8)).square().mean()
+            with manager.backward():
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step:
+            manager.step()
+
+
+class TestMissingStep:
+    """A loop that never calls manager.step() is flagged and warned about; long accumulation is not."""
+
+    def _layer(self) -> tuple[ss.ScalingStateManager, torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = _manager()
+        layer = ss.nn.Linear(8, 8, manager=m)
+        return m, layer, torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    def test_flagged_until_the_first_step(self):
+        """Recorded casts and iteration 0: no-step, with the pending amax; gone after step()."""
+        m = _manager()
+        h = m.register("fc", roles=(ss.Role.INPUT, ss.Role.WEIGHT))
+        with m.forward():
+            h.quantize(torch.tensor([1.0, -3.0]), ss.Role.INPUT)
+        s = m.stats()["fc"]
+        assert s[ss.Role.INPUT].flags == (ss.RiskFlag.NO_STEP,) and s[ss.Role.INPUT].step_amax == 3.0
+        assert s[ss.Role.WEIGHT].flags == () and s[ss.Role.WEIGHT].step_amax == 0.0  # never cast: nothing pending
+        m.step()
+        s = m.stats()["fc"][ss.Role.INPUT]
+        assert ss.RiskFlag.NO_STEP not in s.flags and s.step_amax == 0.0 and s.amax == 3.0
+
+    def test_optimizer_steps_without_manager_step_warn_once(self):
+        """The third in-place weight update within one step warns, once, and flags the slots."""
+        m, layer, opt = self._layer()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _steps_without_step(m, layer, opt, 3)  # the weight cast finds the weight updated twice
+            assert not [w for w in caught if issubclass(w.category, ss.errors.MissingStepWarning)]
+            _steps_without_step(m, layer, opt, 5)
+        missing = [w for w in caught if issubclass(w.category, ss.errors.MissingStepWarning)]
+        assert len(missing) == 1 and "modified in place 3 times" in str(missing[0].message)
+        assert "manager.step()" in str(missing[0].message)
+        assert all(ss.RiskFlag.NO_STEP in s.flags for s in m.stats().slots())
+
+    def test_flagged_after_earlier_steps_once_overdue(self):
+        """A loop that stops calling step() after some steps is flagged once the signs are seen."""
+        m, layer, opt = self._layer()
+        _steps_without_step(m, layer, opt, 2, step=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ss.errors.MissingStepWarning)
+            _steps_without_step(m, layer, opt, 2)
+            assert not any(ss.RiskFlag.NO_STEP in s.flags for s in m.stats().slots())  # 1 update: no sign yet
+            _steps_without_step(m, layer, opt, 2)
+        assert m.iteration == 2 and all(ss.RiskFlag.NO_STEP in s.flags for s in m.stats().slots())
+
+    def test_long_gradient_accumulation_is_silent(self):
+        """Many microbatches per step, the optimizer and the manager stepping once per step: no warning, no flag."""
+        m, layer, opt = self._layer()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ss.errors.MissingStepWarning)
+            _steps_without_step(m, layer, opt, 3, microbatches=64, step=True)
+        assert m.iteration == 3 and not any(ss.RiskFlag.NO_STEP in s.flags for s in m.stats().slots())
+
+    def test_ten_thousand_passes_without_a_step_warn(self):
+        """Phase blocks: the 10,000th training pass since the last step() warns, not the 9,999th."""
+        m = _manager()
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ss.errors.MissingStepWarning)
+            for _ in range(9_999):
+                with m.forward():
+                    h.quantize(torch.ones(2), ss.Role.INPUT)
+                with m.backward():
+                    pass
+        with pytest.warns(ss.errors.MissingStepWarning, match="10,000 training passes"), m.forward():
+            pass
+
+    def test_step_starts_the_count_again(self):
+        """9,998 passes and a 9,999th that casts, step(), the same again: no warning, no no-step flag."""
+        m = _manager()
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ss.errors.MissingStepWarning)
+            for _ in range(2):
+                for _ in range(9_998):
+                    with m.forward():
+                        pass
+                    with m.backward():
+                        pass
+                with m.forward():
+                    h.quantize(torch.ones(2), ss.Role.INPUT)
+                m.step()
+        assert m.iteration == 2 and ss.RiskFlag.NO_STEP not in m.stats()["fc"][ss.Role.INPUT].flags
+
+    def test_passes_without_phases_are_counted(self):
+        """No phase blocks: a pass begins at a recorded forward cast after a recorded backward cast."""
+        m = _manager()
+        h = m.register("fc", roles=(ss.Role.INPUT, ss.Role.GRAD_OUTPUT))
+        x = torch.ones(1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ss.errors.MissingStepWarning)
+            for _ in range(9_999):
+                h.quantize(x, ss.Role.INPUT)  # grad enabled, no phase: a training forward
+                h.quantize(x, ss.Role.INPUT)  # the same pass
+                h.quantize(x, ss.Role.GRAD_OUTPUT)
+        with pytest.warns(ss.errors.MissingStepWarning, match="10,000 training passes"):
+            h.quantize(x, ss.Role.INPUT)
