@@ -29,8 +29,11 @@ __all__ = ["find_states", "load_checkpoint", "plot_stats", "select_state", "stat
 
 #: What each flag means, in one line (the table's legend).
 FLAG_HELP = {
-    RiskFlag.LOW_HEADROOM: "headroom under 1 bit: an amax twice the newest saturates (delayed scaling)",
-    RiskFlag.SATURATED: "the last step's casts clipped values at the format's max",
+    RiskFlag.LOW_HEADROOM: (
+        "the amax outgrew the range of its recent steps' scales by over 1 bit beyond rounding: "
+        "those casts clipped its largest values (delayed scaling)"
+    ),
+    RiskFlag.SATURATED: "the last step's casts clipped values at the format's max, by over 1 bit beyond rounding",
     RiskFlag.NONFINITE: "some steps saw a NaN or infinite amax",
     RiskFlag.NO_AMAX: "no amax recorded in any training step: the scale never moved from 1",
     RiskFlag.CONSTANT: "the same amax over the whole history: the scale has not moved (normal for a frozen weight)",
@@ -245,7 +248,7 @@ def stats_table(stats: ScalingStats, title: str | None = None) -> Any:
     table = Table(title=title, title_justify="left", show_lines=False)
     table.add_column("slot", overflow="fold")
     table.add_column("role")
-    for name in ("scale", "newest amax", "max amax", "headroom (bits)", "non-finite steps"):
+    for name in ("scale", "newest amax", "max amax", "headroom (bits)", "uncovered (bits)", "non-finite steps"):
         table.add_column(name, justify="right")
     table.add_column("flags")
     for s in stats.slots():
@@ -255,7 +258,7 @@ def stats_table(stats: ScalingStats, title: str | None = None) -> Any:
         table.add_row(
             Text(s.name), s.role.value, _fmt(s.scale), _fmt(s.amax), _fmt(s.amax_max),
             "inf" if math.isinf(headroom) else f"{0.0 if abs(headroom) < 0.005 else headroom:.2f}",
-            str(s.nonfinite_steps), flags, style=style,
+            f"{s.uncovered_bits:.2f}", str(s.nonfinite_steps), flags, style=style,
         )
     return table
 

@@ -306,6 +306,18 @@ class TestInspect:
         assert code == 3 and "step 0" in out and out.count("no-step") == 3 + 1  # 3 rows and the legend
         assert "no-step: casts were recorded but manager.step() never ran" in out
 
+    def test_a_healthy_run_of_the_demo_recipe_passes_check(self, capsys, tmp_path):
+        """The demo's recipe (delayed, history 16, margin 0) on a small demo run: nothing flagged, --check 0,
+        though most slots have under 1 bit of headroom (what low-headroom once fired on)."""
+        cfg = DemoConfig(steps=20, microbatches=2, microbatch_size=4, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+        assert cfg.make_recipe() == ss.DelayedScaling(history_len=16)
+        run = train(cfg, fp8=True, checkpoint=False, label="fp8", show_progress=False)
+        torch.save({"model": run.params, "fp8": run.scaling}, tmp_path / "ckpt.pt")
+        stats = ss.stats_from_state_dict(run.scaling)
+        assert len([s for s in stats.slots() if s.headroom_bits < 1]) > len(stats.slots()) // 2
+        code, out, _ = self._run(capsys, str(tmp_path / "ckpt.pt"), "--check")
+        assert code == 0 and f"0 of {len(stats.slots())} slots flagged" in out
+
     def test_check_flag_sets_status(self, capsys, tmp_path):
         """--check: status 3 when a slot is flagged."""
         torch.save(_saved_state(ss.DelayedScaling()), tmp_path / "s.pt")

@@ -16,6 +16,8 @@ E4M3_MAX = 448.0
 #: Half of E4M3's smallest subnormal (2**-9): anything smaller in magnitude rounds to zero.
 E4M3_FLUSH = 2.0**-10
 TINY = 2.0**-20
+#: A clip to 1 - 2**-4 of a value (E4M3's largest relative rounding error) in bits: what the flags allow.
+E4M3_ROUNDING_BITS = -math.log2(1 - 2.0**-4)
 
 
 def _manager(recipe: ss.Recipe | None = None, **kwargs: object) -> ss.ScalingStateManager:
@@ -76,15 +78,63 @@ class TestSlotValues:
 
 
 class TestFlags:
-    def test_low_headroom_and_margin(self):
-        """margin 0: a slot scaled from its newest amax has 0 bits and is flagged; margin 1 gives it 1 bit."""
-        for margin, flagged in ((0, True), (1, False)):
-            m = _manager(ss.DelayedScaling(history_len=4, margin=margin))
-            h = m.register("fc", roles=(ss.Role.INPUT,))
-            _record(m, h, torch.tensor([4.0]))
+    def test_an_amax_its_history_covers_is_not_flagged(self):
+        """margin 0: a slot scaled from its newest amax has 0 bits of headroom, and is no risk: not flagged."""
+        m = _manager(ss.DelayedScaling(history_len=4))
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        for peak in (4.0, 4.0, 3.5, 4.0, 3.8):
+            _record(m, h, torch.tensor([peak]))
             s = m.stats()["fc"][ss.Role.INPUT]
-            assert s.headroom_bits == pytest.approx(margin, abs=1e-6)
-            assert (ss.RiskFlag.LOW_HEADROOM in s.flags) is flagged
+            assert s.flags == () and s.uncovered_bits == 0.0
+        _record(m, h, torch.tensor([4.0]))
+        assert m.stats()["fc"][ss.Role.INPUT].headroom_bits == pytest.approx(0.0, abs=1e-6)
+
+    def test_a_jump_past_the_history_is_flagged_then_covered(self):
+        """An amax 4x its history's: 2 bits less E4M3's rounding uncovered, flagged (saturated too, with
+        statistics); the next step's scale covers it and the flags go."""
+        m = _manager(ss.DelayedScaling(history_len=4), collect_stats=True)
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        _record(m, h, torch.tensor([1.0, 0.5]))
+        _record(m, h, torch.tensor([4.0, 0.5]))
+        s = m.stats()["fc"][ss.Role.INPUT]
+        assert s.uncovered_bits == pytest.approx(2.0 - E4M3_ROUNDING_BITS)
+        assert s.flags == (ss.RiskFlag.LOW_HEADROOM, ss.RiskFlag.SATURATED) and s.saturated_fraction == 0.5
+        _record(m, h, torch.tensor([4.0, 0.5]))
+        assert m.stats()["fc"][ss.Role.INPUT].flags == ()
+
+    def test_growth_the_history_does_not_follow_is_flagged(self):
+        """1.5x per step: each step clips by log2(1.5) bits; the excesses over rounding add up, and the
+        third such step passes 1 bit. A jump within one doubling is not flagged on its own."""
+        m = _manager(ss.DelayedScaling(history_len=8))
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        _record(m, h, torch.tensor([1.0]))
+        for k in range(1, 5):
+            _record(m, h, torch.tensor([1.5**k]))
+            s = m.stats()["fc"][ss.Role.INPUT]
+            assert s.uncovered_bits == pytest.approx(k * (math.log2(1.5) - E4M3_ROUNDING_BITS), rel=1e-6)
+            assert (ss.RiskFlag.LOW_HEADROOM in s.flags) is (k >= 3)
+
+    def test_margin_and_slow_growth_are_covered(self):
+        """margin 1 covers a growth of 1.5x per step; 5% per step (a clip within E4M3's rounding) needs no margin."""
+        for margin, factor in ((1, 1.5), (0, 1.05)):
+            m = _manager(ss.DelayedScaling(history_len=16, margin=margin))
+            h = m.register("fc", roles=(ss.Role.INPUT,))
+            for k in range(20):
+                _record(m, h, torch.tensor([factor**k]))
+                s = m.stats()["fc"][ss.Role.INPUT]
+                assert s.flags == () and s.uncovered_bits == 0.0, (margin, factor, k)
+
+    def test_e5m2_gradients_have_their_own_rounding(self):
+        """A gradient slot (E5M2 under HYBRID) allows 0.193 bits: a 3x jump leaves log2(3) - 0.193 uncovered."""
+        m = _manager(ss.DelayedScaling(history_len=4))
+        h = m.register("fc", roles=(ss.Role.GRAD_OUTPUT,))
+        _record_grad = [torch.tensor([1.0]), torch.tensor([3.0])]
+        for g in _record_grad:
+            h.quantize(g, ss.Role.GRAD_OUTPUT)
+            m.step()
+        s = m.stats()["fc"][ss.Role.GRAD_OUTPUT]
+        assert s.uncovered_bits == pytest.approx(math.log2(3.0) + math.log2(1 - 2.0**-3))
+        assert s.flags == (ss.RiskFlag.LOW_HEADROOM,)
 
     def test_no_amax_after_a_step(self):
         """A slot that only ran in evaluation has no amax after a step: flagged no-amax."""
@@ -250,8 +300,8 @@ class TestEveryRecipe:
             loss.backward()
         m.step()
         flat = m.stats().flat()
-        stats = ("scale", "amax", "amax_max", "headroom_bits", "nonfinite_steps", "saturated_fraction",
-                 "underflow_fraction")
+        stats = ("scale", "amax", "amax_max", "headroom_bits", "nonfinite_steps", "uncovered_bits",
+                 "saturated_fraction", "underflow_fraction")
         assert set(flat) == {f"scalestate/linear/{r.value}/{k}" for r in ss.Role for k in stats}
         assert all(type(v) is float for v in flat.values())
         assert set(m.stats().flat(prefix="fp8")) == {k.replace("scalestate/", "fp8/", 1) for k in flat}
