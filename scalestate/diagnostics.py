@@ -55,8 +55,8 @@ import torch
 from torch import Tensor
 
 from scalestate.finegrained import apply_tile_scales
-from scalestate.quantized import Quantized
 from scalestate.math import scale_from_amax
+from scalestate.quantized import Quantized
 from scalestate.recipe import Recipe, Role, fp8_max
 
 __all__ = ["COUNT_FIELDS", "RiskFlag", "ScalingStats", "SlotStats", "build_stats", "cast_counts"]
@@ -99,7 +99,7 @@ class RiskFlag(enum.Enum):
     #: not moved over the whole window (expected of a frozen weight).
     CONSTANT = "constant"
     #: Casts were recorded (``step_amax > 0``) but ``step()`` never ran (iteration 0), or a live
-    #: manager saw the signs of a forgotten ``step()`` (see :mod:`scalestate.stepwatch`).
+    #: manager saw a sign of a forgotten ``step()`` (the diagnostics guide, "A forgotten step").
     NO_STEP = "no-step"
 
 
@@ -310,7 +310,7 @@ def build_stats(
             or ``None`` when statistics are off.
         step_amax: ``[N]`` float32 amaxes recorded since the last step (``None``: zeros).
         step_overdue: the manager saw the signs of a forgotten ``step()``
-            (:mod:`scalestate.stepwatch`): slots with a pending amax are flagged
+            (the diagnostics guide, "A forgotten step"): slots with a pending amax are flagged
             :attr:`RiskFlag.NO_STEP` whatever the iteration.
     """
     n = len(slots)

@@ -82,7 +82,9 @@ class DeviceUnavailableError(ScaleStateError, RuntimeError):
 class MissingStepWarning(UserWarning):
     """Training went on for long without ``manager.step()``, so the scales never changed.
 
-    Given once per manager; see :mod:`scalestate.stepwatch` for the signs and
-    thresholds. Not an error: silence it with ``warnings.filterwarnings("ignore",
-    category=MissingStepWarning)`` where a step is rightly that long.
+    Given once per manager, after a weight was modified in place 3 times
+    between two steps, or after 10,000 training passes without a step (the
+    diagnostics guide, "A forgotten step", says why those numbers). Not an
+    error: where a step is rightly that long, silence it with
+    ``warnings.filterwarnings("ignore", category=MissingStepWarning)``.
     """
