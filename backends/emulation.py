@@ -36,6 +36,9 @@ class EmulationBackend:
     def __init__(self) -> None:
         self._e4m3_tables: dict[torch.device, Tensor] = {}
 
+    def __repr__(self) -> str:
+        return "EmulationBackend()"
+
     def available(self, device: torch.device | None = None) -> tuple[bool, str]:
         """Always available: it needs nothing beyond torch's float8 dtypes."""
         return True, "pure torch: runs on any device"

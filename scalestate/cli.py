@@ -93,10 +93,11 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction[argparse.ArgumentPa
         help="print a table of every slot of a saved scaling state, with the slots at risk flagged",
         description=(
             "Print every slot (name and role) of a scalestate manager state saved in CKPT: scale, newest "
-            "and largest amax of the history, headroom in bits, non-finite steps, and flags: low-headroom "
-            "(under 1 bit, delayed scaling), non-finite, no-amax (never recorded), constant (the same amax "
-            "over the whole history). CKPT may hold the state itself or a dict or list holding it at any "
-            "depth. See docs/cli.md and docs/diagnostics.md."
+            "and largest amax of the history, headroom and uncovered growth in bits, non-finite steps, and "
+            "flags: low-headroom (the amax outgrew what its history covered by over 1 bit, delayed scaling), "
+            "non-finite, no-amax (never recorded), constant (the same amax over the whole history), no-step "
+            "(casts recorded, manager.step() never called). CKPT may hold the state itself or a dict or list "
+            "holding it at any depth. See docs/cli.md and docs/diagnostics.md."
         ),
     )
     inspect.add_argument("--check", action="store_true", help="exit with status 3 if any slot is flagged")
@@ -167,7 +168,11 @@ def _checkpoint_command(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False)
     console.print(f"{where}: {recipe!r}, step {stats.iteration}, {len(stats.slots())} slots", markup=False,
                   highlight=False)
-    console.print(stats_table(stats))
+    if not stats.slots():
+        console.print("  no slots: the manager had no module registered when this state was saved", markup=False,
+                      highlight=False)
+    else:
+        console.print(stats_table(stats))
     risky = stats.at_risk()
     used = sorted({f for s in risky for f in s.flags}, key=list(FLAG_HELP).index)
     for flag in used:

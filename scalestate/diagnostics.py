@@ -17,6 +17,22 @@ role), and :meth:`ScalingStats.flat` for any logger. The definitions:
     delayed scaling it is at least the recipe's ``margin``; under the
     just-in-time recipes every cast scales from its own tensor (or tile), so
     the value only shows the rounding of the scale (0 to 1 bit) and is no risk.
+``uncovered_bits``
+    Delayed scaling: how far the amax outgrew what its history covered.
+    For each history entry, the step that recorded it was cast with a scale
+    made from the entries before it, which represents values up to
+    ``fp8_max / scale``; the entry exceeded that by ``o = log2(entry * scale
+    / fp8_max)`` bits (its largest values were clipped by that much), beyond
+    the format's own rounding by ``o - r`` (``r``: 0.093 bits for E4M3,
+    0.193 for E5M2, a clip no larger than rounding to the format loses).
+    ``uncovered_bits`` sums ``o - r`` over the newest entries, back to the
+    first one with ``o <= r``: one large jump, or a growth kept up over
+    several steps. 0 when the newest entry fit. Entries older than the
+    history are not known; for ``amax_compute="max"`` the visible ones stand
+    for the window a step scaled from, so the value is an upper bound.
+``step_amax``
+    The amax recorded since the last step (what the next ``step()`` adds to
+    the history); 0 between steps.
 ``nonfinite_steps``
     Steps whose amax was NaN or infinite (see
     :meth:`~scalestate.ScalingStateManager.nonfinite_counts`).
@@ -39,12 +55,21 @@ import attrs
 import torch
 from torch import Tensor
 
-from scalestate.recipe import Recipe, Role
+from scalestate.math import scale_from_amax
+from scalestate.recipe import Recipe, Role, fp8_max
 
 __all__ = ["COUNT_FIELDS", "RiskFlag", "ScalingStats", "SlotStats", "build_stats"]
 
-#: Below this headroom (in bits) a delayed-scaling slot is flagged :attr:`RiskFlag.LOW_HEADROOM`.
+#: Above this many bits of :attr:`SlotStats.uncovered_bits` a delayed-scaling slot is flagged
+#: :attr:`RiskFlag.LOW_HEADROOM`; above this many bits of clipping beyond rounding in the last step
+#: (counted), :attr:`RiskFlag.SATURATED`. One bit: the amax more than doubled past its scale's range.
 LOW_HEADROOM_BITS = 1.0
+
+#: Bits by which an amax may exceed its scale's range and lose no more than the format's own rounding
+#: does: a clip to ``1 - eps/2`` of the value (E4M3: 6.25%, 0.093 bits; E5M2: 12.5%, 0.193 bits).
+_ROUNDING_BITS = {
+    fp8_max(dtype): -math.log2(1 - torch.finfo(dtype).eps / 2) for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+}
 
 #: The columns of the per-slot counters, in order (int64, summed over a step's recorded casts).
 COUNT_FIELDS = ("elements", "saturated", "nonzero_inputs", "nonzero_codes")
@@ -53,9 +78,12 @@ COUNT_FIELDS = ("elements", "saturated", "nonzero_inputs", "nonzero_codes")
 class RiskFlag(enum.Enum):
     """Why a slot may need attention (see the diagnostics guide for what to do)."""
 
-    #: Delayed scaling: ``headroom_bits < 1``, so an amax twice the newest saturates.
+    #: Delayed scaling: ``uncovered_bits > 1``: the amax outgrew the range of the scales its
+    #: recent steps were cast with by more than a doubling (beyond the format's own rounding),
+    #: so those casts clipped its largest values.
     LOW_HEADROOM = "low-headroom"
-    #: Delayed scaling, statistics on: the last step's casts clipped values at the format's max.
+    #: Delayed scaling, statistics on: the last step's casts clipped values at the format's max
+    #: (``saturated_fraction > 0``), by more than a doubling beyond the format's own rounding.
     SATURATED = "saturated"
     #: Some step saw a NaN or infinite amax (``nonfinite_steps > 0``).
     NONFINITE = "non-finite"
@@ -66,6 +94,9 @@ class RiskFlag(enum.Enum):
     #: Delayed scaling, history of 2 or more: every entry is filled and equal, so the scale has
     #: not moved over the whole window (expected of a frozen weight).
     CONSTANT = "constant"
+    #: Casts were recorded (``step_amax > 0``) but ``step()`` never ran (iteration 0), or a live
+    #: manager saw a sign of a forgotten ``step()`` (the diagnostics guide, "A forgotten step").
+    NO_STEP = "no-step"
 
 
 @attrs.frozen
@@ -100,6 +131,13 @@ class SlotStats:
     underflow_fraction: float | None = None
     #: What may need a look, in :class:`RiskFlag` order.
     flags: tuple[RiskFlag, ...] = ()
+    #: The amax recorded since the last step, not yet in the history (0: none; NaN or
+    #: ``+inf`` where a cast saw one).
+    step_amax: float = 0.0
+    #: How far the amax outgrew its history, in bits: over the trailing run of steps whose amax
+    #: exceeded the largest value the scale of its step represents by more than the format's
+    #: rounding, the sum of those excesses (0: the newest step fit; always 0 for just-in-time recipes).
+    uncovered_bits: float = 0.0
 
     def flat(self, prefix: str = "scalestate") -> dict[str, float]:
         """``{"<prefix>/<name>/<role>/<stat>": value}``; the fractions only where they are known."""
@@ -110,6 +148,7 @@ class SlotStats:
             base + "amax_max": self.amax_max,
             base + "headroom_bits": self.headroom_bits,
             base + "nonfinite_steps": float(self.nonfinite_steps),
+            base + "uncovered_bits": self.uncovered_bits,
         }
         if self.saturated_fraction is not None:
             out[base + "saturated_fraction"] = self.saturated_fraction
@@ -187,8 +226,9 @@ class ScalingStats(Mapping[str, Mapping[Role, SlotStats]]):
 
         ``<role>`` is the :class:`~scalestate.Role` value (``input``, ``weight``,
         ``grad_output``); ``<stat>`` is one of ``scale``, ``amax``,
-        ``amax_max``, ``headroom_bits``, ``nonfinite_steps``, and, where
-        known, ``saturated_fraction`` and ``underflow_fraction``. Pass it to
+        ``amax_max``, ``headroom_bits``, ``nonfinite_steps``,
+        ``uncovered_bits``, and, where known, ``saturated_fraction`` and
+        ``underflow_fraction``. Pass it to
         ``SummaryWriter.add_scalar`` key by key, or to ``wandb.log`` whole.
         """
         out: dict[str, float] = {}
@@ -210,6 +250,9 @@ def build_stats(
     fp8_max: Tensor,
     nonfinite: Tensor,
     counts: Tensor | None,
+    step_amax: Tensor | None = None,
+    *,
+    step_overdue: bool = False,
 ) -> ScalingStats:
     """A :class:`ScalingStats` from a state's rows (reads them back to the host: a device sync).
 
@@ -223,17 +266,59 @@ def build_stats(
         nonfinite: ``[N]`` int64 non-finite step counts.
         counts: ``[N, 4]`` int64 counters of the last completed step (:data:`COUNT_FIELDS`),
             or ``None`` when statistics are off.
+        step_amax: ``[N]`` float32 amaxes recorded since the last step (``None``: zeros).
+        step_overdue: the manager saw the signs of a forgotten ``step()``
+            (the diagnostics guide, "A forgotten step"): slots with a pending amax are flagged
+            :attr:`RiskFlag.NO_STEP` whatever the iteration.
     """
     n = len(slots)
-    floats = torch.cat([history.reshape(n, -1), scales.reshape(n, 1), fp8_max.reshape(n, 1)], dim=1).tolist()
+    # No -1 in the shapes: a manager with no slots has zero rows, and -1 cannot be inferred from 0 elements.
+    history = history.reshape(n, history.shape[-1])
+    pending = step_amax.reshape(n, 1) if step_amax is not None else scales.new_zeros(n, 1)
+    excess = _excess_bits(history, fp8_max.reshape(n), recipe)  # [n, H - 1] float64, NaN: not known
+    uncovered = _trailing_sum(excess)
+    newest = excess[:, -1:] if excess.shape[1] else excess.new_full((n, 1), math.nan)
+    columns = [history, scales.reshape(n, 1), fp8_max.reshape(n, 1), pending]
+    floats = torch.cat(columns, dim=1).tolist()
+    growth = torch.cat([uncovered.reshape(n, 1), newest], dim=1).tolist()
     steps = nonfinite.tolist()
     tallies = counts.tolist() if counts is not None else None
     out = []
     for i, (name, role) in enumerate(slots):
-        *hist, scale, fmax = floats[i]
+        *hist, scale, fmax, amax_pending = floats[i]
         stat = _slot_stats(name, role, tuple(hist), scale, fmax, int(steps[i]), None if tallies is None else tallies[i])
-        out.append(attrs.evolve(stat, flags=_flags(stat, recipe, iteration)))
+        stat = attrs.evolve(stat, step_amax=amax_pending, uncovered_bits=growth[i][0])
+        out.append(attrs.evolve(stat, flags=_flags(stat, recipe, iteration, step_overdue, growth[i][1])))
     return ScalingStats(out, iteration=iteration, recipe=recipe, collect_stats=counts is not None)
+
+
+def _excess_bits(history: Tensor, fmax: Tensor, recipe: Recipe) -> Tensor:
+    """``[N, H - 1]`` float64: per history entry after the first, the bits by which it exceeded the range
+    of its step's scale beyond the format's rounding (``o - r`` of :mod:`scalestate.diagnostics`).
+
+    The scale of the step that recorded entry ``j`` is remade from the entries before it, as the
+    step made it (:func:`scalestate.math.scale_from_amax`, the recipe's margin and rounding). NaN
+    where it is not known: just-in-time recipes, an empty entry, or a step scaled just in time.
+    """
+    n, h = history.shape
+    if not recipe.delayed or h < 2:
+        return torch.full((n, max(h - 1, 0)), math.nan, dtype=torch.float64, device=history.device)
+    rule = recipe.rule
+    before = torch.cummax(history, dim=1).values[:, :-1] if rule.amax_compute == "max" else history[:, :-1]
+    scale = scale_from_amax(before, fmax.reshape(n, 1), rule, previous=math.nan)
+    entry = history[:, 1:].double()
+    over = torch.log2(entry * scale.double() / fmax.double().reshape(n, 1))
+    rounding = torch.tensor([_ROUNDING_BITS.get(float(m), 0.0) for m in fmax.tolist()], dtype=torch.float64)
+    known = (entry > 0) & (before > 0)
+    return torch.where(known, over - rounding.to(over.device).reshape(n, 1), math.nan)
+
+
+def _trailing_sum(excess: Tensor) -> Tensor:
+    """``[N]``: the sum of the positive ``excess`` entries at the end of each row, back to the first
+    entry that is not positive (NaN is not)."""
+    positive = excess > 0
+    run = torch.flip(torch.cumprod(torch.flip(positive, dims=[1]).to(torch.int64), dim=1), dims=[1]).bool()
+    return torch.where(run, excess, 0.0).sum(dim=1)
 
 
 def _slot_stats(
@@ -255,14 +340,18 @@ def _slot_stats(
     )
 
 
-def _flags(s: SlotStats, recipe: Recipe, iteration: int) -> tuple[RiskFlag, ...]:
+def _flags(
+    s: SlotStats, recipe: Recipe, iteration: int, step_overdue: bool, newest_excess: float
+) -> tuple[RiskFlag, ...]:
     delayed = recipe.delayed
+    pending = s.step_amax != 0.0  # > 0, +inf or NaN (NaN != 0): casts were recorded since the last step
     found = {
-        RiskFlag.LOW_HEADROOM: delayed and s.amax > 0 and s.headroom_bits < LOW_HEADROOM_BITS,
-        RiskFlag.SATURATED: delayed and bool(s.saturated_fraction),
+        RiskFlag.LOW_HEADROOM: delayed and s.uncovered_bits > LOW_HEADROOM_BITS,
+        RiskFlag.SATURATED: delayed and bool(s.saturated_fraction) and newest_excess > LOW_HEADROOM_BITS,
         RiskFlag.NONFINITE: s.nonfinite_steps > 0,
         RiskFlag.NO_AMAX: iteration > 0 and s.amax_max <= 0,
         RiskFlag.CONSTANT: delayed and len(s.amax_history) >= 2 and s.amax_history[0] > 0
         and all(h == s.amax_history[0] for h in s.amax_history),
+        RiskFlag.NO_STEP: pending and (iteration == 0 or step_overdue),
     }
     return tuple(flag for flag in RiskFlag if found[flag])

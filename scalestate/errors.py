@@ -28,6 +28,8 @@ __all__ = [
     "ConversionError",
     "ConversionTypeError",
     "MissingDependencyError",
+    "DeviceUnavailableError",
+    "MissingStepWarning",
     "NonFiniteAmaxError",
     "PhaseError",
     "ReadOnlyError",
@@ -165,3 +167,19 @@ class MissingDependencyError(ScaleStateError, ImportError):
 
 class ReadOnlyError(ScaleStateError, AttributeError):
     """An attribute of a read-only object was set or deleted (:class:`~scalestate.Quantized` is immutable)."""
+
+
+class DeviceUnavailableError(ScaleStateError, RuntimeError):
+    """The device asked for does not exist here: this torch build lacks its support, or the
+    machine lacks the device; the message says which, and what to pass instead."""
+
+
+class MissingStepWarning(UserWarning):
+    """Training went on for long without ``manager.step()``, so the scales never changed.
+
+    Given once per manager, after a weight was modified in place 3 times
+    between two steps, or after 10,000 training passes without a step (the
+    diagnostics guide, "A forgotten step", says why those numbers). Not an
+    error: where a step is rightly that long, silence it with
+    ``warnings.filterwarnings("ignore", category=MissingStepWarning)``.
+    """

@@ -272,6 +272,7 @@ class ScalingStateManager:
     def begin_forward(self) -> None:
         """Enter the training forward phase (lasts until another ``begin_*()`` or :meth:`step`)."""
         self._state.phases.begin(Phase.FORWARD, "begin_forward()")
+        self._state.watch.forward_phase()
 
     def begin_recompute(self) -> None:
         """Enter the recompute phase: forward casts use the step's scales and record nothing.
@@ -284,6 +285,7 @@ class ScalingStateManager:
     def begin_backward(self) -> None:
         """Enter the backward phase: gradient casts are recorded; forward casts are recomputes."""
         self._state.phases.begin(Phase.BACKWARD, "begin_backward()")
+        self._state.watch.backward_phase()
 
     def forward(self) -> contextlib.AbstractContextManager[ScalingStateManager]:
         """A training forward block: ``with manager.forward(): loss = model(x)``."""
@@ -300,6 +302,10 @@ class ScalingStateManager:
     @contextlib.contextmanager
     def _block(self, phase: Phase) -> Iterator[ScalingStateManager]:
         with self._state.phases.block(phase):
+            if phase is Phase.FORWARD and len(self._state.phases.blocks) == 1:  # nested: the same pass
+                self._state.watch.forward_phase()
+            elif phase is Phase.BACKWARD:
+                self._state.watch.backward_phase()
             yield self
 
     # ----------------------------------------------------------------- step
@@ -387,7 +393,8 @@ class ScalingStateManager:
         st = self._state
         counts = st.last_counts if st.stats else None
         return build_stats(
-            self._recipe, st.iteration, self.slots, st.history, st.scales, st.fp8_max, st.nonfinite, counts
+            self._recipe, st.iteration, self.slots, st.history, st.scales, st.fp8_max, st.nonfinite, counts,
+            st.step_amax, step_overdue=st.watch.overdue,
         )
 
     # ----------------------------------------------------------------- casts

@@ -82,6 +82,7 @@ __all__ = [
     "LoadedState",
     "TensorKey",
     "is_state_dict",
+    "read_format_version",
     "recipe_from_dict",
     "recipe_to_dict",
     "to_state_dict",
@@ -174,6 +175,8 @@ def _keys(version: int) -> tuple[str, ...]:
 
 
 _KEYS = _keys(FORMAT_VERSION)
+#: The keys by which a state dict of any format version is recognized (see :func:`is_state_dict`).
+_RECOGNIZED_BY = ("format_version", "recipe", "slots")
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
@@ -213,14 +216,29 @@ def recipe_from_dict(saved: object) -> Recipe:
 
 
 def is_state_dict(obj: object) -> bool:
-    """Whether ``obj`` looks like a manager's state dict: a dict with the keys of a readable format
-    version (values are not checked; :func:`validate` does that)."""
-    if not isinstance(obj, Mapping):
-        return False
-    version = obj.get("format_version")
-    if isinstance(version, bool) or not isinstance(version, int) or version not in _READABLE_VERSIONS:
-        return False
-    return all(k in obj for k in _keys(version))
+    """Whether ``obj`` looks like a manager's state dict: a dict with the keys ``format_version``,
+    ``recipe`` and ``slots``, which every format version has.
+
+    Nothing else is checked, the version included: :func:`validate` (or
+    :func:`read_format_version` for the version alone) then says what is wrong
+    with a dict that looks like one, so that a state of an unreadable version
+    or with a key missing is reported as such rather than as no state at all.
+    """
+    return isinstance(obj, Mapping) and all(k in obj for k in _RECOGNIZED_BY)
+
+
+def read_format_version(sd: Mapping[Any, Any]) -> int:
+    """The ``format_version`` of a state dict, checked to be one this scalestate reads.
+
+    Raises:
+        StateDictError: the key is missing, not an int, or a version this scalestate does
+            not read (the message names the version found and those it reads).
+    """
+    if "format_version" not in sd:
+        raise StateDictError(
+            f"state dict has no format_version key; ScalingStateManager.state_dict() makes exactly {list(_KEYS)}"
+        )
+    return _check_version(sd["format_version"])
 
 
 def to_state_dict(state: State, recipe: Recipe) -> dict[str, Any]:
@@ -326,11 +344,19 @@ def _check_version(version: object) -> int:
             f"format_version must be the int {FORMAT_VERSION}; got {version!r} ({_type_name(version)})"
         )
     if version not in _READABLE_VERSIONS:
-        raise StateDictError(
-            f"state dict has format_version {version!r}; this scalestate reads {list(_READABLE_VERSIONS)}"
-            + (": it was saved by a newer scalestate, upgrade to load it" if version > FORMAT_VERSION else "")
-        )
+        readable = " and ".join(map(str, _READABLE_VERSIONS))
+        if version > FORMAT_VERSION:
+            hint = f": it was saved by a newer scalestate than this one ({_package_version()}); upgrade to load it"
+        else:
+            hint = ": no scalestate writes it; the state is corrupt"
+        raise StateDictError(f"state dict has format_version {version!r}; this scalestate reads {readable}{hint}")
     return int(version)
+
+
+def _package_version() -> str:
+    from scalestate import __version__  # the package imports this module: read it when needed
+
+    return __version__
 
 
 def _check_recipe(got: object, expected: dict[str, Any]) -> None:

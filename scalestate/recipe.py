@@ -70,6 +70,10 @@ class Format(enum.Enum):
     E5M2 = "e5m2"
     HYBRID = "hybrid"
 
+    def __repr__(self) -> str:
+        """``Format.HYBRID``, as it is written, so that a recipe's repr reads as code."""
+        return f"Format.{self.name}"
+
     def dtype(self, role: Role) -> torch.dtype:
         """The torch float8 dtype that casts of ``role`` use under this format."""
         if self is Format.E4M3 or (self is Format.HYBRID and role.direction is Direction.FORWARD):
@@ -179,7 +183,7 @@ class DelayedScaling(_DescribedRepr):
     Example:
         >>> import scalestate as ss
         >>> ss.DelayedScaling(history_len=16, amax_compute="max", margin=0)
-        DelayedScaling(history_len=16, amax_compute='max', margin=0, format=<Format.HYBRID: 'hybrid'>, power_of_2=False)
+        DelayedScaling(history_len=16, amax_compute='max', margin=0, format=Format.HYBRID, power_of_2=False)
     """
 
     #: Number of past steps whose amax is kept per slot (newest last).

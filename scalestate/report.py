@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,18 +22,22 @@ import torch
 
 from scalestate.diagnostics import RiskFlag, ScalingStats, SlotStats
 from scalestate.errors import MissingDependencyError, ScaleStateError, StateDictError
-from scalestate.persist import is_state_dict, recipe_from_dict
+from scalestate.persist import is_state_dict, read_format_version, recipe_from_dict
 from scalestate.recipe import Role
 
 __all__ = ["find_states", "load_checkpoint", "plot_stats", "select_state", "stats_from_state_dict", "stats_table"]
 
 #: What each flag means, in one line (the table's legend).
 FLAG_HELP = {
-    RiskFlag.LOW_HEADROOM: "headroom under 1 bit: an amax twice the newest saturates (delayed scaling)",
-    RiskFlag.SATURATED: "the last step's casts clipped values at the format's max",
+    RiskFlag.LOW_HEADROOM: (
+        "the amax outgrew the range of its recent steps' scales by over 1 bit beyond rounding: "
+        "those casts clipped its largest values (delayed scaling)"
+    ),
+    RiskFlag.SATURATED: "the last step's casts clipped values at the format's max, by over 1 bit beyond rounding",
     RiskFlag.NONFINITE: "some steps saw a NaN or infinite amax",
     RiskFlag.NO_AMAX: "no amax recorded in any training step: the scale never moved from 1",
     RiskFlag.CONSTANT: "the same amax over the whole history: the scale has not moved (normal for a frozen weight)",
+    RiskFlag.NO_STEP: "casts were recorded but manager.step() never ran: the scales are still 1",
 }
 
 
@@ -63,6 +68,7 @@ def stats_from_state_dict(state_dict: Mapping[str, Any]) -> ScalingStats:
             "expected a state dict made by ScalingStateManager.state_dict() (keys format_version, recipe, "
             f"iteration, slots, amax_history, scale, step_amax, ...); got {_describe(state_dict)}"
         )
+    read_format_version(state_dict)  # first: the recipe of an unreadable version may not parse
     recipe = recipe_from_dict(state_dict["recipe"])
     slots = state_dict["slots"]
     roles: dict[str, list[Role]] = {}
@@ -95,6 +101,8 @@ def load_checkpoint(path: str | Path, *, weights_only: bool = True) -> Any:
             f"{path} is a directory; pass a file saved with torch.save (a torch.distributed.checkpoint "
             "directory is not read: load it into a manager and torch.save(manager.state_dict(), ...))"
         )
+    if p.stat().st_size == 0:
+        raise StateDictError(f"{path} is empty (0 bytes): a write that stopped at once leaves such a file")
     with p.open("rb") as f:
         magic = f.read(4)
     if magic != b"PK\x03\x04" and magic[:1] != b"\x80":  # torch.save writes a zip; before 1.6, a pickle
@@ -109,9 +117,44 @@ def load_checkpoint(path: str | Path, *, weights_only: bool = True) -> Any:
                 f"{path} holds objects other than tensors and plain containers (first: {blocked.group(1)}), "
                 "which torch.load(weights_only=True) refuses; if you trust the file, pass --unsafe-load"
             ) from None
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        reason = lines[-1] if lines else type(exc).__name__
-        raise StateDictError(f"{path}: torch.load cannot read it ({type(exc).__name__}: {reason[:300]})") from None
+        sentence = _first_sentence(text)
+        reason = f"{type(exc).__name__}: {sentence}" if sentence else type(exc).__name__
+        damage = _damage(p, zipped=magic == b"PK\x03\x04", reason=reason)
+        raise StateDictError(
+            f"{path} {damage}; load an earlier copy (scalestate.atomic.atomic_save writes checkpoint files "
+            "that a crash in the middle of the write cannot tear)"
+        ) from None
+
+
+def _damage(path: Path, *, zipped: bool, reason: str) -> str:
+    """What is wrong with a file that ``torch.load`` could not read, as far as its structure shows."""
+    size = f"{path.stat().st_size:,} bytes"
+    if zipped and not zipfile.is_zipfile(path):
+        return (
+            f"is truncated ({size}): it begins as the zip archive torch.save writes, but the archive's "
+            "closing directory is missing, as when a write stops before the end"
+        )
+    if zipped:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError):  # what a damaged archive raises
+            bad = None
+        if bad is not None:
+            return f"is corrupt ({size}): the record {bad!r} of its zip archive fails its checksum"
+    # A pickle (torch before 1.6) has no structure to check; a sound zip may still hold damaged records.
+    return f"is truncated or corrupt ({size}): torch.load cannot read it ({reason})"
+
+
+def _first_sentence(text: str, limit: int = 160) -> str:
+    """The first sentence of the last non-empty line of ``text``, cut at a word if longer than ``limit``."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    sentence = re.split(r"(?<=\.)\s", lines[-1], maxsplit=1)[0].rstrip(".")
+    if len(sentence) <= limit:
+        return sentence
+    return sentence[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def find_states(obj: Any, path: str = "") -> Iterator[tuple[str, Mapping[str, Any]]]:
@@ -151,7 +194,7 @@ def select_state(obj: Any, key: str | None = None) -> tuple[str, Mapping[str, An
     if not found:
         raise StateDictError(
             f"no scalestate manager state found in {_describe(obj)} (looked for a dict with the keys "
-            "format_version, recipe, iteration, slots, amax_history, scale, step_amax at any depth)"
+            "format_version, recipe and slots at any depth)"
         )
     if len(found) > 1:
         paths = ", ".join(repr(p or "<top level>") for p, _ in found)
@@ -205,7 +248,7 @@ def stats_table(stats: ScalingStats, title: str | None = None) -> Any:
     table = Table(title=title, title_justify="left", show_lines=False)
     table.add_column("slot", overflow="fold")
     table.add_column("role")
-    for name in ("scale", "newest amax", "max amax", "headroom (bits)", "non-finite steps"):
+    for name in ("scale", "newest amax", "max amax", "headroom (bits)", "uncovered (bits)", "non-finite steps"):
         table.add_column(name, justify="right")
     table.add_column("flags")
     for s in stats.slots():
@@ -215,7 +258,7 @@ def stats_table(stats: ScalingStats, title: str | None = None) -> Any:
         table.add_row(
             Text(s.name), s.role.value, _fmt(s.scale), _fmt(s.amax), _fmt(s.amax_max),
             "inf" if math.isinf(headroom) else f"{0.0 if abs(headroom) < 0.005 else headroom:.2f}",
-            str(s.nonfinite_steps), flags, style=style,
+            f"{s.uncovered_bits:.2f}", str(s.nonfinite_steps), flags, style=style,
         )
     return table
 
@@ -241,7 +284,7 @@ def plot_stats(
         import matplotlib.pyplot as plt
     except ImportError:
         raise MissingDependencyError(
-            'scalestate plot needs matplotlib: pip install "scalestate[plot]"'
+            'drawing needs matplotlib, which is not installed: pip install "scalestate[plot]"'
         ) from None
     names = list(stats)
     flagged = [n for n in names if any(s.flags for s in stats[n].values())]

@@ -140,6 +140,11 @@ class TestRegistry:
         assert m.backend.name == "emulation"
         assert "chose 'emulation'" in caplog.text
 
+    def test_reprs(self):
+        """Both built-in backends say what they are."""
+        assert repr(get_backend("emulation")) == "EmulationBackend()"
+        assert repr(get_backend("scaled_mm")).startswith("ScaledMMBackend(")
+
     def test_manager_accepts_instance(self):
         """A backend object can be passed directly."""
         b = ScaledMMBackend()

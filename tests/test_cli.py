@@ -57,12 +57,22 @@ class TestDemo:
         assert all(name in out for name in names)
         assert ("  scales:  " in out) == (recipe not in ("delayed", "current"))
 
+    def test_header_and_loss_window(self, capsys):
+        """The header shows the format as code; the loss table says how many steps each mark averages,
+        never more than lie between two marks."""
+        assert main(["demo", *TINY, "--steps", "8", "--no-fp32"]) == 0
+        out = capsys.readouterr().out
+        assert "format=Format.HYBRID," in out and "<Format" not in out
+        assert "step 2" in out and "step 4" in out and "(mean of the 2 steps up to each mark)" in out
+        assert main(["demo", *TINY, "--no-fp32"]) == 0  # 3 steps: marks 1, 2, 3
+        assert "(the loss at each mark)" in capsys.readouterr().out
+
     def test_block_size_follows_the_model_width(self, capsys):
         """--recipe block on a model narrower than 128 uses the largest power of two that fits,
         and says so; --block overrides it."""
         assert main(["demo", *TINY, "--steps", "1", "--no-fp32", "--recipe", "block"]) == 0
         out = capsys.readouterr().out
-        assert "BlockScaling(format=<Format.E4M3: 'e4m3'>, block=32, power_of_2=True)" in out
+        assert "BlockScaling(format=Format.E4M3, block=32, power_of_2=True)" in out
         assert "1 x 32 tiles (inputs, output gradients), 32 x 32 blocks (weights); 32, not 128: --d-model is 32" in out
         assert main(["demo", *TINY, "--steps", "1", "--no-fp32", "--recipe", "block", "--block", "16"]) == 0
         out = capsys.readouterr().out
@@ -247,6 +257,67 @@ class TestInspect:
         code, out, _ = self._run(capsys, str(tmp_path / "ns.pt"), "--unsafe-load")
         assert code == 0 and "[fp8]" in out
 
+    def test_truncated_and_empty_files_say_so(self, capsys, tmp_path):
+        """A checkpoint cut short at any point, or empty, is called truncated: one line, status 1."""
+        torch.save({"fp8": _saved_state(ss.DelayedScaling()), "w": torch.randn(64, 64)}, tmp_path / "full.pt")
+        data = (tmp_path / "full.pt").read_bytes()
+        for cut in (0, 10, len(data) // 3, len(data) // 2, len(data) - 100, len(data) - 1):
+            (tmp_path / "cut.pt").write_bytes(data[:cut])
+            code, out, err = self._run(capsys, str(tmp_path / "cut.pt"))
+            assert code == 1 and out == "" and err.count("\n") == 1, (cut, err)
+            assert ("is empty" if cut == 0 else "is truncated") in err and "Traceback" not in err, (cut, err)
+            assert "Errno" not in err and "torch.load cannot read it" not in err, err
+
+    def test_unreadable_format_version_is_named(self, capsys, tmp_path):
+        """A state of a format version this scalestate does not read: the version found and those read."""
+        for version, hint in ((99, "saved by a newer scalestate"), (0, "the state is corrupt")):
+            torch.save({"fp8": {**_saved_state(ss.DelayedScaling()), "format_version": version}}, tmp_path / "v.pt")
+            code, out, err = self._run(capsys, str(tmp_path / "v.pt"))
+            assert code == 1 and out == ""
+            assert f"format_version {version}; this scalestate reads 1 and 2" in err and hint in err, err
+
+    def test_a_state_with_a_key_missing_is_found_and_named(self, capsys, tmp_path):
+        """A state lacking a key is a corrupt state (the key named), not 'no state found'."""
+        sd = _saved_state(ss.DelayedScaling())
+        del sd["scale"]
+        torch.save({"fp8": sd}, tmp_path / "s.pt")
+        code, _, err = self._run(capsys, str(tmp_path / "s.pt"))
+        assert code == 1 and "lacks key(s) ['scale']" in err
+
+    def test_state_without_slots(self, capsys, tmp_path):
+        """A manager that registered nothing: a line saying so, status 0 (also with --check); plot draws it."""
+        torch.save(ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation").state_dict(), tmp_path / "e.pt")
+        code, out, err = self._run(capsys, str(tmp_path / "e.pt"), "--check")
+        assert code == 0 and err == "" and "0 slots" in out and "no slots" in out and "0 of 0 slots flagged" in out
+        assert main(["plot", str(tmp_path / "e.pt"), "-o", str(tmp_path / "e.png")]) == 0
+        assert "0 of 0 slot names" in capsys.readouterr().out and (tmp_path / "e.png").stat().st_size > 0
+
+    def test_forgotten_step_is_flagged(self, capsys, tmp_path):
+        """A state saved after training passes but no step(): no-step on the slots that recorded, --check fails."""
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        layer = ss.nn.Linear(8, 8, manager=m)
+        for _ in range(3):
+            with m.forward():
+                loss = layer(torch.randn(4, 8)).sum()
+            with m.backward():
+                loss.backward()
+        torch.save(m.state_dict(), tmp_path / "s.pt")
+        code, out, _ = self._run(capsys, str(tmp_path / "s.pt"), "--check")
+        assert code == 3 and "step 0" in out and out.count("no-step") == 3 + 1  # 3 rows and the legend
+        assert "no-step: casts were recorded but manager.step() never ran" in out
+
+    def test_a_healthy_run_of_the_demo_recipe_passes_check(self, capsys, tmp_path):
+        """The demo's recipe (delayed, history 16, margin 0) on a small demo run: nothing flagged, --check 0,
+        though most slots have under 1 bit of headroom (what low-headroom once fired on)."""
+        cfg = DemoConfig(steps=20, microbatches=2, microbatch_size=4, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+        assert cfg.make_recipe() == ss.DelayedScaling(history_len=16)
+        run = train(cfg, fp8=True, checkpoint=False, label="fp8", show_progress=False)
+        torch.save({"model": run.params, "fp8": run.scaling}, tmp_path / "ckpt.pt")
+        stats = ss.stats_from_state_dict(run.scaling)
+        assert len([s for s in stats.slots() if s.headroom_bits < 1]) > len(stats.slots()) // 2
+        code, out, _ = self._run(capsys, str(tmp_path / "ckpt.pt"), "--check")
+        assert code == 0 and f"0 of {len(stats.slots())} slots flagged" in out
+
     def test_check_flag_sets_status(self, capsys, tmp_path):
         """--check: status 3 when a slot is flagged."""
         torch.save(_saved_state(ss.DelayedScaling()), tmp_path / "s.pt")
@@ -288,7 +359,9 @@ class TestPlot:
         torch.save(_saved_state(ss.DelayedScaling()), tmp_path / "s.pt")
         monkeypatch.setitem(sys.modules, "matplotlib", None)
         assert main(["plot", str(tmp_path / "s.pt"), "-o", str(tmp_path / "a.png")]) == 1
-        assert 'pip install "scalestate[plot]"' in capsys.readouterr().err
+        err = capsys.readouterr().err  # said once, not "scalestate plot: scalestate plot needs ..."
+        needs = 'drawing needs matplotlib, which is not installed: pip install "scalestate[plot]"'
+        assert err == f"scalestate plot: {needs}\n"
 
 
 class TestProgress:

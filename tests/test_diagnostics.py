@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ E4M3_MAX = 448.0
 #: Half of E4M3's smallest subnormal (2**-9): anything smaller in magnitude rounds to zero.
 E4M3_FLUSH = 2.0**-10
 TINY = 2.0**-20
+#: A clip to 1 - 2**-4 of a value (E4M3's largest relative rounding error) in bits: what the flags allow.
+E4M3_ROUNDING_BITS = -math.log2(1 - 2.0**-4)
 
 
 def _manager(recipe: ss.Recipe | None = None, **kwargs: object) -> ss.ScalingStateManager:
@@ -75,15 +78,63 @@ class TestSlotValues:
 
 
 class TestFlags:
-    def test_low_headroom_and_margin(self):
-        """margin 0: a slot scaled from its newest amax has 0 bits and is flagged; margin 1 gives it 1 bit."""
-        for margin, flagged in ((0, True), (1, False)):
-            m = _manager(ss.DelayedScaling(history_len=4, margin=margin))
-            h = m.register("fc", roles=(ss.Role.INPUT,))
-            _record(m, h, torch.tensor([4.0]))
+    def test_an_amax_its_history_covers_is_not_flagged(self):
+        """margin 0: a slot scaled from its newest amax has 0 bits of headroom, and is no risk: not flagged."""
+        m = _manager(ss.DelayedScaling(history_len=4))
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        for peak in (4.0, 4.0, 3.5, 4.0, 3.8):
+            _record(m, h, torch.tensor([peak]))
             s = m.stats()["fc"][ss.Role.INPUT]
-            assert s.headroom_bits == pytest.approx(margin, abs=1e-6)
-            assert (ss.RiskFlag.LOW_HEADROOM in s.flags) is flagged
+            assert s.flags == () and s.uncovered_bits == 0.0
+        _record(m, h, torch.tensor([4.0]))
+        assert m.stats()["fc"][ss.Role.INPUT].headroom_bits == pytest.approx(0.0, abs=1e-6)
+
+    def test_a_jump_past_the_history_is_flagged_then_covered(self):
+        """An amax 4x its history's: 2 bits less E4M3's rounding uncovered, flagged (saturated too, with
+        statistics); the next step's scale covers it and the flags go."""
+        m = _manager(ss.DelayedScaling(history_len=4), collect_stats=True)
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        _record(m, h, torch.tensor([1.0, 0.5]))
+        _record(m, h, torch.tensor([4.0, 0.5]))
+        s = m.stats()["fc"][ss.Role.INPUT]
+        assert s.uncovered_bits == pytest.approx(2.0 - E4M3_ROUNDING_BITS)
+        assert s.flags == (ss.RiskFlag.LOW_HEADROOM, ss.RiskFlag.SATURATED) and s.saturated_fraction == 0.5
+        _record(m, h, torch.tensor([4.0, 0.5]))
+        assert m.stats()["fc"][ss.Role.INPUT].flags == ()
+
+    def test_growth_the_history_does_not_follow_is_flagged(self):
+        """1.5x per step: each step clips by log2(1.5) bits; the excesses over rounding add up, and the
+        third such step passes 1 bit. A jump within one doubling is not flagged on its own."""
+        m = _manager(ss.DelayedScaling(history_len=8))
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        _record(m, h, torch.tensor([1.0]))
+        for k in range(1, 5):
+            _record(m, h, torch.tensor([1.5**k]))
+            s = m.stats()["fc"][ss.Role.INPUT]
+            assert s.uncovered_bits == pytest.approx(k * (math.log2(1.5) - E4M3_ROUNDING_BITS), rel=1e-6)
+            assert (ss.RiskFlag.LOW_HEADROOM in s.flags) is (k >= 3)
+
+    def test_margin_and_slow_growth_are_covered(self):
+        """margin 1 covers a growth of 1.5x per step; 5% per step (a clip within E4M3's rounding) needs no margin."""
+        for margin, factor in ((1, 1.5), (0, 1.05)):
+            m = _manager(ss.DelayedScaling(history_len=16, margin=margin))
+            h = m.register("fc", roles=(ss.Role.INPUT,))
+            for k in range(20):
+                _record(m, h, torch.tensor([factor**k]))
+                s = m.stats()["fc"][ss.Role.INPUT]
+                assert s.flags == () and s.uncovered_bits == 0.0, (margin, factor, k)
+
+    def test_e5m2_gradients_have_their_own_rounding(self):
+        """A gradient slot (E5M2 under HYBRID) allows 0.193 bits: a 3x jump leaves log2(3) - 0.193 uncovered."""
+        m = _manager(ss.DelayedScaling(history_len=4))
+        h = m.register("fc", roles=(ss.Role.GRAD_OUTPUT,))
+        _record_grad = [torch.tensor([1.0]), torch.tensor([3.0])]
+        for g in _record_grad:
+            h.quantize(g, ss.Role.GRAD_OUTPUT)
+            m.step()
+        s = m.stats()["fc"][ss.Role.GRAD_OUTPUT]
+        assert s.uncovered_bits == pytest.approx(math.log2(3.0) + math.log2(1 - 2.0**-3))
+        assert s.flags == (ss.RiskFlag.LOW_HEADROOM,)
 
     def test_no_amax_after_a_step(self):
         """A slot that only ran in evaluation has no amax after a step: flagged no-amax."""
@@ -249,8 +300,8 @@ class TestEveryRecipe:
             loss.backward()
         m.step()
         flat = m.stats().flat()
-        stats = ("scale", "amax", "amax_max", "headroom_bits", "nonfinite_steps", "saturated_fraction",
-                 "underflow_fraction")
+        stats = ("scale", "amax", "amax_max", "headroom_bits", "nonfinite_steps", "uncovered_bits",
+                 "saturated_fraction", "underflow_fraction")
         assert set(flat) == {f"scalestate/linear/{r.value}/{k}" for r in ss.Role for k in stats}
         assert all(type(v) is float for v in flat.values())
         assert set(m.stats().flat(prefix="fp8")) == {k.replace("scalestate/", "fp8/", 1) for k in flat}
@@ -345,3 +396,126 @@ class TestStateDictStats:
     def test_rejects_what_is_not_a_state(self):
         with pytest.raises(ss.errors.StateDictError, match="expected a state dict made by"):
             ss.stats_from_state_dict({"model": 1})
+
+
+class TestNoSlots:
+    def test_stats_of_a_manager_without_slots(self):
+        """A manager with nothing registered has empty statistics, not an error."""
+        stats = _manager().stats()
+        assert len(stats) == 0 and stats.slots() == () and stats.at_risk() == () and stats.flat() == {}
+        assert stats.iteration == 0
+
+
+def _steps_without_step(manager: ss.ScalingStateManager, layer: torch.nn.Module, opt: torch.optim.Optimizer,
+                        steps: int, microbatches: int = 1, *, step: bool = False) -> None:
+    """Training steps of ``microbatches`` passes each, the optimizer stepping after each; manager.step() if ``step``."""
+    for _ in range(steps):
+        for _ in range(microbatches):
+            with manager.forward():
+                loss = layer(torch.randn(2, 8)).square().mean()
+            with manager.backward():
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step:
+            manager.step()
+
+
+class TestMissingStep:
+    """A loop that never calls manager.step() is flagged and warned about; long accumulation is not."""
+
+    def _layer(self) -> tuple[ss.ScalingStateManager, torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = _manager()
+        layer = ss.nn.Linear(8, 8, manager=m)
+        return m, layer, torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    def test_flagged_until_the_first_step(self):
+        """Recorded casts and iteration 0: no-step, with the pending amax; gone after step()."""
+        m = _manager()
+        h = m.register("fc", roles=(ss.Role.INPUT, ss.Role.WEIGHT))
+        with m.forward():
+            h.quantize(torch.tensor([1.0, -3.0]), ss.Role.INPUT)
+        s = m.stats()["fc"]
+        assert s[ss.Role.INPUT].flags == (ss.RiskFlag.NO_STEP,) and s[ss.Role.INPUT].step_amax == 3.0
+        assert s[ss.Role.WEIGHT].flags == () and s[ss.Role.WEIGHT].step_amax == 0.0  # never cast: nothing pending
+        m.step()
+        s = m.stats()["fc"][ss.Role.INPUT]
+        assert ss.RiskFlag.NO_STEP not in s.flags and s.step_amax == 0.0 and s.amax == 3.0
+
+    def test_optimizer_steps_without_manager_step_warn_once(self):
+        """The third in-place weight update within one step warns, once, and flags the slots."""
+        m, layer, opt = self._layer()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _steps_without_step(m, layer, opt, 3)  # the weight cast finds the weight updated twice
+            assert not [w for w in caught if issubclass(w.category, ss.errors.MissingStepWarning)]
+            _steps_without_step(m, layer, opt, 5)
+        missing = [w for w in caught if issubclass(w.category, ss.errors.MissingStepWarning)]
+        assert len(missing) == 1 and "modified in place 3 times" in str(missing[0].message)
+        assert "manager.step()" in str(missing[0].message)
+        assert all(ss.RiskFlag.NO_STEP in s.flags for s in m.stats().slots())
+
+    def test_flagged_after_earlier_steps_once_overdue(self):
+        """A loop that stops calling step() after some steps is flagged once the signs are seen."""
+        m, layer, opt = self._layer()
+        _steps_without_step(m, layer, opt, 2, step=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ss.errors.MissingStepWarning)
+            _steps_without_step(m, layer, opt, 2)
+            assert not any(ss.RiskFlag.NO_STEP in s.flags for s in m.stats().slots())  # 1 update: no sign yet
+            _steps_without_step(m, layer, opt, 2)
+        assert m.iteration == 2 and all(ss.RiskFlag.NO_STEP in s.flags for s in m.stats().slots())
+
+    def test_long_gradient_accumulation_is_silent(self):
+        """Many microbatches per step, the optimizer and the manager stepping once per step: no warning, no flag."""
+        m, layer, opt = self._layer()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ss.errors.MissingStepWarning)
+            _steps_without_step(m, layer, opt, 3, microbatches=64, step=True)
+        assert m.iteration == 3 and not any(ss.RiskFlag.NO_STEP in s.flags for s in m.stats().slots())
+
+    def test_ten_thousand_passes_without_a_step_warn(self):
+        """Phase blocks: the 10,000th training pass since the last step() warns, not the 9,999th."""
+        m = _manager()
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ss.errors.MissingStepWarning)
+            for _ in range(9_999):
+                with m.forward():
+                    h.quantize(torch.ones(2), ss.Role.INPUT)
+                with m.backward():
+                    pass
+        with pytest.warns(ss.errors.MissingStepWarning, match="10,000 training passes"), m.forward():
+            pass
+
+    def test_step_starts_the_count_again(self):
+        """9,998 passes and a 9,999th that casts, step(), the same again: no warning, no no-step flag."""
+        m = _manager()
+        h = m.register("fc", roles=(ss.Role.INPUT,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ss.errors.MissingStepWarning)
+            for _ in range(2):
+                for _ in range(9_998):
+                    with m.forward():
+                        pass
+                    with m.backward():
+                        pass
+                with m.forward():
+                    h.quantize(torch.ones(2), ss.Role.INPUT)
+                m.step()
+        assert m.iteration == 2 and ss.RiskFlag.NO_STEP not in m.stats()["fc"][ss.Role.INPUT].flags
+
+    def test_passes_without_phases_are_counted(self):
+        """No phase blocks: a pass begins at a recorded forward cast after a recorded backward cast."""
+        m = _manager()
+        h = m.register("fc", roles=(ss.Role.INPUT, ss.Role.GRAD_OUTPUT))
+        x = torch.ones(1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ss.errors.MissingStepWarning)
+            for _ in range(9_999):
+                h.quantize(x, ss.Role.INPUT)  # grad enabled, no phase: a training forward
+                h.quantize(x, ss.Role.INPUT)  # the same pass
+                h.quantize(x, ss.Role.GRAD_OUTPUT)
+        with pytest.warns(ss.errors.MissingStepWarning, match="10,000 training passes"):
+            h.quantize(x, ss.Role.INPUT)

@@ -25,17 +25,21 @@ class TestReadme:
         monkeypatch.chdir(tmp_path)
         loop = _python_blocks(ROOT / "README.md")[0]
 
+        microbatches = []
+
         class MyTransformer(torch.nn.Module):
             def __init__(self):
                 super().__init__()
                 self.net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
 
             def forward(self, x):
+                microbatches.append(len(x))
                 return self.net(x).square().mean()
 
         namespace = {"MyTransformer": MyTransformer, "loader": [torch.randn(8, 16) for _ in range(3)]}
         exec(compile(loop, "README.md", "exec"), namespace)
         assert namespace["manager"].iteration == 3
+        assert microbatches == [2] * 12  # "4 microbatches" per batch of 8 rows: chunks, not splits of 4 rows
         assert (tmp_path / "ckpt.pt").exists()
 
     def test_module_library_example(self):

@@ -470,6 +470,27 @@ class TestDevice:
             m.register("fc", roles=(I,)).quantize(torch.ones(2), I)
         assert m.device == torch.device("cpu")
 
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA is missing")
+    def test_missing_cuda_is_named(self):
+        """device='cuda' without CUDA: the library's error says what is missing (not torch's AssertionError)."""
+        missing = "without CUDA support" if torch.version.cuda is None else "torch sees no GPU"
+        with pytest.raises(ss.errors.DeviceUnavailableError, match=missing) as caught:
+            ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", device="cuda")
+        assert isinstance(caught.value, RuntimeError) and "device 'cuda' asked for" in str(caught.value)
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        with pytest.raises(ss.errors.DeviceUnavailableError, match="device 'cuda:1' asked for"):
+            m.to("cuda:1")
+        assert m.device == torch.device("cpu")
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    def test_gpu_index_past_the_last(self):
+        """device='cuda:N' past the last GPU names how many there are."""
+        count = torch.cuda.device_count()
+        with pytest.raises(ss.errors.DeviceUnavailableError, match=f"torch sees {count} GPU"):
+            ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", device=f"cuda:{count}")
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation", device="cuda")
+        assert m.device == torch.device("cuda", torch.cuda.current_device())
+
     def test_to_keeps_values(self, delayed):
         """to() moves the state with its values."""
         h = delayed.register("fc", roles=(I,))

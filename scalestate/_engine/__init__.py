@@ -22,6 +22,9 @@ What each module holds, so that a reader of the manager can find it:
 ``counting``
     What one recorded cast did to its elements (clipped, flushed to zero),
     counted on the device for ``collect_stats=True``.
+``stepwatch``
+    Notices a forgotten ``manager.step()`` (the ``no-step`` risk flag and the
+    one-time :class:`~scalestate.errors.MissingStepWarning`).
 ``debug``
     Debug mode's recompute check (every recompute must reproduce an amax its
     forward observed).

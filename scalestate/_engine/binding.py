@@ -6,7 +6,7 @@ import torch
 
 from scalestate._engine.state import State
 from scalestate.backends import Backend, check_backend, get_backend, resolve_backend, validate_backend
-from scalestate.errors import BackendUnavailableError, CastError
+from scalestate.errors import BackendUnavailableError, CastError, DeviceUnavailableError
 from scalestate.recipe import Recipe
 
 __all__ = ["BackendBinding", "canonical_device", "settle_during_trace"]
@@ -117,11 +117,48 @@ settle_during_trace._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def canonical_device(device: torch.device | str) -> torch.device:
-    """The device as tensors report it: ``cuda`` is the current GPU's index, ``cpu:0`` is ``cpu``."""
+    """The device as tensors report it: ``cuda`` is the current GPU's index, ``cpu:0`` is ``cpu``.
+
+    Raises:
+        DeviceUnavailableError: the device does not exist here: a build of torch without
+            CUDA asked for ``cuda``, no GPU visible, an index past the last GPU, or another
+            accelerator type whose ``torch.<type>.is_available()`` is False.
+    """
     device = torch.device(device)
     index: int | None = device.index  # torch's stubs say int; it is None when not given
     if device.type == "cpu":
         return torch.device("cpu")
+    _require(device)
     if device.type == "cuda" and index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+#: What a DeviceUnavailableError suggests instead.
+_INSTEAD = "use the device 'cpu' instead (a manager built without device= follows the tensors it casts)"
+
+
+def _require(device: torch.device) -> None:
+    """Raise :class:`DeviceUnavailableError` if ``device`` does not exist here."""
+    asked = f"device {str(device)!r} asked for, but"
+    if device.type == "cuda" and torch.version.cuda is None and torch.version.hip is None:
+        raise DeviceUnavailableError(
+            f"{asked} this torch ({torch.__version__}) is a build without CUDA support; install a CUDA "
+            f"build of torch (https://pytorch.org/get-started/locally/), or {_INSTEAD}"
+        )
+    module = getattr(torch, device.type, None)
+    is_available = getattr(module, "is_available", None)
+    if not callable(is_available) or is_available():
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise DeviceUnavailableError(
+                f"{asked} torch sees {count} GPU{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1}); "
+                f"pass one of those, or {_INSTEAD}"
+            )
+        return
+    why = (
+        "torch sees no GPU (no driver, or CUDA_VISIBLE_DEVICES hides every GPU)"
+        if device.type == "cuda"
+        else f"this torch ({torch.__version__}) has no usable {device.type} device"
+    )
+    raise DeviceUnavailableError(f"{asked} {why}: torch.{device.type}.is_available() is False; {_INSTEAD}")

@@ -72,6 +72,17 @@ class WeightCastCache:
         entry = self._entries.get(slot.row)
         return entry if entry is not None and entry.matches(x, epoch, whole) else None
 
+    def modified_in_place(self, slot: Slot, x: Tensor, epoch: int) -> bool:
+        """True if the cast of ``slot`` in this epoch was of this very tensor, which has since been
+        modified in place (its version counter moved): an optimizer step within one scale epoch."""
+        entry = self._entries.get(slot.row)
+        return (
+            entry is not None
+            and entry.epoch == epoch
+            and entry.source() is x
+            and entry.version != x._version
+        )
+
     def put(
         self, slot: Slot, x: Tensor, epoch: int, quantized: Quantized, amax: Tensor | None, whole: object = None
     ) -> None:

@@ -268,6 +268,8 @@ class Caster:
             return entry.quantized if transpose else entry.quantized.rowwise()
         if self._stats:
             self._weight_counts.pop(slot.row, None)  # a new cast: counts of the old one no longer apply
+        if kind is CastKind.RECORD and st.casts.modified_in_place(slot, x, st.epoch):
+            st.watch.weight_updated(slot.row)  # updated within a step: an optimizer step without step()?
         if kind is CastKind.RECORD and st.checker is None:
             scale, acc = st.views_of(slot)
             q = self._run(slot, x, transpose, scale, acc, shard, compiling=False)

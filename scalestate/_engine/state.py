@@ -8,6 +8,7 @@ from torch import Tensor
 
 from scalestate._engine.cache import WeightCastCache
 from scalestate._engine.debug import RecomputeChecker
+from scalestate._engine.stepwatch import StepWatch
 from scalestate.backends.base import CastSpec, StepUpdate
 from scalestate.errors import SlotError
 from scalestate.math import ScaleRule
@@ -80,6 +81,7 @@ class State:
         self._forward_recorded: set[str] = set()
         self._backward_recorded: set[str] = set()
         self._phases = PhaseStack()
+        self._watch = StepWatch()
         self._casts = WeightCastCache()
         self._checker = RecomputeChecker() if debug else None
 
@@ -115,6 +117,11 @@ class State:
         return self._phases
 
     @property
+    def watch(self) -> StepWatch:
+        """The signs of a forgotten step() since the last one."""
+        return self._watch
+
+    @property
     def casts(self) -> WeightCastCache:
         """Cached weight casts."""
         return self._casts
@@ -127,6 +134,7 @@ class State:
     def note_recorded(self, slot: Slot) -> None:
         """A cast of ``slot`` was recorded in this step."""
         (self._forward_recorded if slot.forward else self._backward_recorded).add(slot.name)
+        self._watch.recorded(slot.forward)
 
     @property
     def recorded_since_step(self) -> bool:
@@ -372,6 +380,7 @@ class State:
     def _forget_recorded(self) -> None:
         self._forward_recorded.clear()
         self._backward_recorded.clear()
+        self._watch.reset()
 
     def _new_epoch(self) -> None:
         """Scales may have changed: weight casts and debug mode's pending amaxes are void."""

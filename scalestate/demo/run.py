@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -112,11 +113,13 @@ def _run(args: argparse.Namespace, cfg: DemoConfig, recipe: ss.Recipe) -> int:
     runs += [ckpt, plain]
 
     marks = sorted({max(1, cfg.steps * k // 4) for k in (1, 2, 3, 4)})
+    window = _window_len(marks)
     header = "".join(f"{'step ' + str(s):>11}" for s in marks)
-    say("  training loss (mean of the 10 steps up to each mark) and held-out loss:")
+    what = f"mean of the {window} steps up to each mark" if window > 1 else "the loss at each mark"
+    say(f"  training loss ({what}) and held-out loss:")
     say(f"  {'run':<24}{header}{'held-out':>11}{'time':>9}")
     for r in runs:
-        losses = "".join(f"{_window(r.losses, s):>11.4f}" for s in marks)
+        losses = "".join(f"{_window(r.losses, s, window):>11.4f}" for s in marks)
         say(f"  {r.label:<24}{losses}{r.val_loss:>11.4f}{r.seconds:>8.1f}s")
     if not args.no_fp32:
         ref = runs[0]
@@ -171,8 +174,18 @@ def _ranks_line(world: int) -> str:
     return f"  ranks:   {world} (DistributedDataParallel, gloo); losses shown are rank 0's\n"
 
 
-def _window(losses: list[float], upto: int) -> float:
-    recent = losses[max(0, upto - 10) : upto]
+#: Steps averaged at each mark of the loss table, at most.
+_WINDOW = 10
+
+
+def _window_len(marks: list[int]) -> int:
+    """Steps averaged at each mark: 10, or fewer where marks are closer, so that no step counts at two."""
+    gaps = [marks[0], *(b - a for a, b in pairwise(marks))]
+    return min(_WINDOW, *gaps)
+
+
+def _window(losses: list[float], upto: int, window: int) -> float:
+    recent = losses[max(0, upto - window) : upto]
     return sum(recent) / len(recent)
 
 
