@@ -24,6 +24,7 @@ from scalestate.errors import (
     CastError,
     ConversionError,
     ConversionTypeError,
+    DeviceUnavailableError,
     MissingDependencyError,
     NonFiniteAmaxError,
     PhaseError,
@@ -69,7 +70,11 @@ CATEGORIES: list[tuple[type[ScaleStateError], type[BaseException]]] = [
     (ConversionTypeError, TypeError),
     (MissingDependencyError, ImportError),
     (ReadOnlyError, AttributeError),
+    (DeviceUnavailableError, RuntimeError),
 ]
+
+#: The one warning of scalestate.errors: a UserWarning, not an error.
+WARNINGS = ["MissingStepWarning"]
 
 
 def _source_files() -> Iterator[tuple[str, ast.Module]]:
@@ -105,7 +110,7 @@ class TestVocabulary:
 
     def test_table_covers_the_module(self):
         """The table above lists every public error of scalestate.errors, and nothing else."""
-        assert sorted(errors.__all__) == sorted([c.__name__ for c, _ in CATEGORIES] + ["ScaleStateError"])
+        assert sorted(errors.__all__) == sorted([c.__name__ for c, _ in CATEGORIES] + ["ScaleStateError", *WARNINGS])
         assert all(getattr(errors, name).__module__ == "scalestate.errors" for name in errors.__all__)
 
     @pytest.mark.parametrize("name", errors.__all__)
