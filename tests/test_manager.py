@@ -10,8 +10,9 @@ import torch.utils.checkpoint as tcp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import scalestate as ss
-from helpers import OpLog, backend_for
+from helpers import backend_for
 from scalestate.errors import PhaseError, ScaleStateError, SlotError
+from scalestate.testing import OpLog
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import scalestate as ss
-from helpers import OpLog
 from scalestate.errors import SlotError
+from scalestate.testing import OpLog
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -177,6 +177,7 @@ def snapshot(model: nn.Module, manager: ScalingStateManager | None = None) -> di
 
     Example:
         >>> import torch, scalestate as ss
+        >>> from torch.utils.checkpoint import checkpoint
         >>> from scalestate.testing import assert_same, snapshot
         >>> def run(checkpointed):
         ...     torch.manual_seed(0)
@@ -186,7 +187,7 @@ def snapshot(model: nn.Module, manager: ScalingStateManager | None = None) -> di
         ...     for _ in range(3):
         ...         x = torch.randn(4, 8)
         ...         with manager.forward():
-        ...             y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+        ...             y = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
         ...         with manager.backward():
         ...             y.square().mean().backward()
         ...         manager.step()
