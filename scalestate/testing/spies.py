@@ -67,10 +67,11 @@ class CastSpy:
 
     The spy wraps the backend instance's ``cast`` method (the backend's own
     code still does every cast) and puts it back on exit. Give it a manager
-    (its :attr:`~scalestate.ScalingStateManager.backend`, so the manager's
-    backend must be known: a name, an instance, or ``"auto"`` with a device) or a
-    backend instance (to watch the managers given that instance, including
-    those a helper makes).
+    (the spy watches its :attr:`~scalestate.ScalingStateManager.backend` as
+    of entering: a manager made with ``backend="auto"`` that moves to another
+    device afterwards, by ``to()`` or by a first cast elsewhere, may choose a
+    new instance, which the spy does not see), or a backend instance (to watch
+    every manager given that instance, including those a helper makes).
 
     A :class:`~scalestate.backends.CastRequest` holds every decision the
     manager made for a cast: ``request.scale`` (the slot's scale, or what a
@@ -106,9 +107,9 @@ class CastSpy:
         on_cast: Callable[[CastRequest, Quantized], None] | None = None,
         keep: bool = True,
     ) -> None:
-        backend = target.backend if isinstance(target, ScalingStateManager) else target
-        #: The backend watched.
-        self.backend: Backend = backend
+        self._target = target
+        #: The backend watched (for a manager: its backend when the spy was entered last).
+        self.backend: Backend = target.backend if isinstance(target, ScalingStateManager) else target
         #: Each request, in order (while ``keep``).
         self.requests: list[CastRequest] = []
         #: What each request returned, in the same order (while ``keep``).
@@ -121,6 +122,8 @@ class CastSpy:
         self._replaced: list[tuple[bool, Callable[[CastRequest], Quantized]]] = []
 
     def __enter__(self) -> CastSpy:
+        if isinstance(self._target, ScalingStateManager) and not self._replaced:
+            self.backend = self._target.backend
         real = self.backend.cast
 
         @functools.wraps(real)
