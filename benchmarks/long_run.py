@@ -33,7 +33,7 @@ step; evaluation casts are not counted.
 
 The demo's ``train()`` has no per-step hook, so the loop is written out here,
 with the demo's data, split, model, optimizer, schedule and phase blocks
-(``scalestate.demo.data``, ``scalestate.demo.model``, ``DemoConfig``), and
+(``scalestate.demo.data``, ``scalestate.testing.TinyLM``, ``DemoConfig``), and
 without activation checkpointing (which the demo shows to be bitwise the same
 FP8 training) or data parallelism. On 2 shared CPU cores the 1,000 steps take
 tens of minutes.

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from scalestate import ScalingStateManager
+from scalestate.errors import ArgumentValueError
 
 __all__ = ["assert_same", "differences", "snapshot", "sqnr"]
 
@@ -83,7 +84,8 @@ def assert_same(a: object, b: object, *, bits: bool = False, name: str = "") -> 
         more = f"\n  ... and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
         lines = "\n  ".join(found[:_SHOWN])
         plural = "" if len(found) == 1 else "s"
-        # A test assertion: AssertionError is what pytest and every test runner report as a failure.
+        # A test assertion: AssertionError is what pytest and unittest report as a failure (as
+        # torch.testing.assert_close raises it); tests/test_errors.py allows this raise.
         raise AssertionError(f"{len(found)} difference{plural}:\n  {lines}{more}")
 
 
@@ -129,10 +131,11 @@ def _same_value(a: object, b: object, bits: bool) -> bool:
 
 
 def _compare_tensors(a: Tensor, b: Tensor, where: str, bits: bool, found: list[str]) -> None:
-    for what, x, y in (("dtype", a.dtype, b.dtype), ("shape", tuple(a.shape), tuple(b.shape)),
-                       ("device", a.device, b.device)):
-        if x != y:
-            found.append(f"{where}: {what} {x} != {y}")
+    for what, left, right in (
+        ("dtype", a.dtype, b.dtype), ("shape", tuple(a.shape), tuple(b.shape)), ("device", a.device, b.device)
+    ):
+        if left != right:
+            found.append(f"{where}: {what} {left} != {right}")
             return
     a, b = a.detach(), b.detach()
     if bits:
@@ -232,7 +235,9 @@ def sqnr(reference: Tensor, x: Tensor) -> float:
         True
     """
     if reference.shape != x.shape:
-        raise ValueError(f"sqnr() needs tensors of one shape; got {tuple(reference.shape)} and {tuple(x.shape)}")
+        raise ArgumentValueError(
+            f"sqnr() needs tensors of one shape; got {tuple(reference.shape)} and {tuple(x.shape)}"
+        )
     ref = reference.detach().double()
     signal = float(ref.square().sum())
     noise = float((ref - x.detach().to(ref.device).double()).square().sum())

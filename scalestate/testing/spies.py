@@ -16,7 +16,7 @@ from scalestate.backends import Backend, CastRequest
 __all__ = ["CastSpy", "OpLog"]
 
 
-class OpLog(TorchDispatchMode):
+class OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """The tensor operations dispatched while it is active, by name, in order.
 
     A ``TorchDispatchMode``: it sees every operation that reaches the
@@ -44,7 +44,7 @@ class OpLog(TorchDispatchMode):
     """
 
     def __init__(self, *, when: Callable[[], bool] | None = None) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode.__init__ is untyped
         #: The name of each operation logged (``str`` of its overload), in order.
         self.ops: list[str] = []
         self._when = when
@@ -150,7 +150,7 @@ class CastSpy:
     ) -> None:
         had_own, real = self._replaced.pop()
         if had_own:
-            self.backend.cast = real  # type: ignore[method-assign]  # what the instance had before
+            self.backend.cast = real  # type: ignore[method-assign,assignment]  # what the instance had before
         else:
             del self.backend.cast
 
