@@ -21,6 +21,8 @@ factory: any callable returning a backend, a class included)::
     [project.entry-points."scalestate.backends"]
     mykernels = "mypkg.fp8:MyBackend"
 
+:func:`unregister_backend` takes a registration out again (a test's, say).
+
 This table is the one process-wide registry in scalestate. It holds factories
 only: every manager calls the factory and owns the backend instance it gets,
 so two managers never share backend state.
@@ -60,6 +62,7 @@ __all__ = [
     "check_supports",
     "get_backend",
     "register_backend",
+    "unregister_backend",
     "resolve_backend",
     "supports",
     "validate_backend",
@@ -88,6 +91,8 @@ _AUTO_ORDER: dict[str, tuple[str, ...]] = {
 }
 
 _registry: dict[str, str | BackendFactory] = dict(_BUILTIN)
+#: Entry-point names unregistered in this process: not loaded from their entry point again.
+_withdrawn: set[str] = set()
 
 
 def register_backend(name: str, factory: BackendFactory, *, replace: bool = False) -> None:
@@ -114,11 +119,61 @@ def register_backend(name: str, factory: BackendFactory, *, replace: bool = Fals
             "pass replace=True to replace it, or choose another name"
         )
     _registry[name] = factory
+    _withdrawn.discard(name)
+
+
+def unregister_backend(name: str) -> None:
+    """Take back what :func:`register_backend` (or an entry point) registered as ``name``.
+
+    Managers made before keep the backend instance they have. A built-in
+    name is never removed (``"auto"`` and every manager that names it rely on
+    it): unregistering a built-in that ``register_backend(...,
+    replace=True)`` replaced restores the built-in backend. A name that came
+    from an entry point is not loaded from it again in this process;
+    :func:`register_backend` brings the name back.
+
+    Args:
+        name: a registered name.
+
+    Raises:
+        UnknownBackendError: nothing is registered as ``name``, or ``name`` is
+            a built-in backend that was never replaced; the message lists the
+            names that can be unregistered.
+
+    Example:
+        >>> import scalestate as ss
+        >>> from scalestate.backends.emulation import EmulationBackend
+        >>> ss.backends.register_backend("mine", EmulationBackend)
+        >>> ss.backends.unregister_backend("mine")
+        >>> "mine" in ss.backends.available_backends()
+        False
+    """
+    if name not in _registry:
+        _load_entry_points()
+    builtin = _BUILTIN.get(name)
+    if name not in _registry or _registry[name] == builtin:
+        removable = [n for n in _registered_names() if _registry[n] != _BUILTIN.get(n)]
+        what = (
+            f"{name!r} is a built-in backend, which cannot be removed (a replacement of it can)"
+            if builtin is not None
+            else f"no backend named {name!r} is registered"
+        )
+        raise UnknownBackendError(
+            f"cannot unregister {name!r}: {what}; registered by register_backend() or an entry point: "
+            f"{', '.join(removable) or 'none'}"
+        )
+    if builtin is not None:
+        _registry[name] = builtin
+    else:
+        del _registry[name]
+        _withdrawn.add(name)
 
 
 def _load_entry_points() -> None:
-    """Register every entry point of the group whose name is not registered yet."""
+    """Register every entry point of the group whose name is not registered yet (nor unregistered)."""
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _withdrawn:
+            continue
         if not _NAME.match(ep.name) or ep.name == "auto":
             _log.warning("scalestate: ignoring backend entry point %r (%s): invalid name", ep.name, ep.value)
             continue

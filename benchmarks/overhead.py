@@ -31,9 +31,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import scalestate as ss
+from scalestate.testing import OpLog
 
 
 def _per_call_us(fn: Callable[[], Any], iters: int) -> float:
@@ -129,24 +129,14 @@ def _print_layers(title: str, times: dict[str, float]) -> None:
         print(f"  {name:<36}{us:>12.1f}{us / base:>8.2f}x")
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _step(slots: int, iters: int, repeats: int) -> tuple[float, int]:
     manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
     for i in range(slots):
         manager.register(f"layer{i}", roles=(ss.Role.INPUT,))
     manager.step()
-    with _OpCounter() as counter:
+    with OpLog() as log:
         manager.step()
-    return _side_by_side({"step": manager.step}, iters, repeats)["step"], counter.count
+    return _side_by_side({"step": manager.step}, iters, repeats)["step"], len(log)
 
 
 def _registration(existing: int, new: int = 300) -> float:

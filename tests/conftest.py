@@ -7,7 +7,6 @@ import torch
 
 import scalestate as ss
 from helpers import backend_for
-from scalestate import backends as registry
 from scalestate.backends import Backend
 
 RECIPES = {
@@ -85,15 +84,6 @@ def manager(recipe: ss.Recipe, backend: str | Backend) -> ss.ScalingStateManager
 @pytest.fixture
 def delayed() -> ss.ScalingStateManager:
     return ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
-
-
-@pytest.fixture(autouse=True)
-def _isolate_registry():
-    """Tests may register backends; restore the process-wide table afterwards."""
-    saved = dict(registry._registry)
-    yield
-    registry._registry.clear()
-    registry._registry.update(saved)
 
 
 @pytest.fixture(autouse=True)

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 import scalestate as ss
 from scalestate.atomic import atomic_save
-from scalestate.demo.model import Block
+from scalestate.testing import Block
 
 DIM = 16
 MICROBATCHES = 2

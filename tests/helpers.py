@@ -2,7 +2,11 @@
 
 ``train`` runs a model for a few optimizer steps with microbatches, an AdamW
 optimizer that moves the weights, and data whose range grows every step (so
-scales really move), and records everything the invariants compare.
+scales really move), and records everything the invariants compare;
+``assert_bitwise`` compares two such records with
+:func:`scalestate.testing.assert_same`. What the library's users need as well
+(the comparison, the op log, the cast spy, SQNR, the model) lives in
+:mod:`scalestate.testing`; this file keeps what only these tests use.
 """
 
 from __future__ import annotations
@@ -19,12 +23,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import scalestate as ss
 from scalestate.backends import Backend
 from scalestate.backends.scaled_mm import ScaledMMBackend
-from scalestate.demo.model import Block
+from scalestate.testing import Block, assert_same
 
 DIM = 32
 
@@ -146,18 +149,6 @@ class Model(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.body(x)
-
-
-class OpLog(TorchDispatchMode):
-    """The names of the tensor ops dispatched while it is active (``str`` of each overload), in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @attrs.define
@@ -318,21 +309,18 @@ def _strip(name: str) -> str:
     return name
 
 
+def _series(rec: Record) -> dict[str, list[Any]]:
+    """What :func:`assert_bitwise` compares: every per-step series of a run, parameters named by layer."""
+    return {
+        "outputs": rec.outputs,
+        "input_grads": rec.input_grads,
+        "weight_grads": [{_strip(k): v for k, v in d.items()} for d in rec.weight_grads],
+        "params": [{_strip(k): v for k, v in d.items()} for d in rec.params],
+        "amax_history": rec.histories,
+        "scale": rec.scales,
+    }
+
+
 def assert_bitwise(a: Record, b: Record) -> None:
-    """Every recorded tensor of two runs is ``torch.equal``."""
-    assert len(a.outputs) == len(b.outputs) and len(a.params) == len(b.params)
-    for i, (x, y) in enumerate(zip(a.outputs, b.outputs, strict=False)):
-        assert torch.equal(x, y), f"output of microbatch {i} differs"
-    for step, (x, y) in enumerate(zip(a.input_grads, b.input_grads, strict=False)):
-        assert torch.equal(x, y), f"input grads differ at step {step}"
-    for field in ("weight_grads", "params"):
-        for step, (da, db) in enumerate(zip(getattr(a, field), getattr(b, field), strict=False)):
-            da = {_strip(k): v for k, v in da.items()}
-            db = {_strip(k): v for k, v in db.items()}
-            assert da.keys() == db.keys()
-            for k in da:
-                assert torch.equal(da[k], db[k]), f"{field} {k} differ at step {step}"
-    for step, (x, y) in enumerate(zip(a.histories, b.histories, strict=False)):
-        assert torch.equal(x, y), f"amax histories differ after step {step}"
-    for step, (x, y) in enumerate(zip(a.scales, b.scales, strict=False)):
-        assert torch.equal(x, y), f"scales differ after step {step}"
+    """Every recorded tensor of two runs is ``torch.equal``, and every series is as long in both."""
+    assert_same(_series(a), _series(b), name="run")

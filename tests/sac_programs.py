@@ -33,8 +33,9 @@ from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 import scalestate as ss
-from helpers import Checkpointed, OpLog, backend_for
-from scalestate.demo.model import Block
+from helpers import Checkpointed, backend_for
+from scalestate import testing
+from scalestate.testing import Block, OpLog
 
 DIM = 32
 RECIPES: dict[str, ss.Recipe] = {
@@ -398,27 +399,8 @@ def _in_thread(fn: Callable[[], None]) -> None:
 
 
 def differences(a: Trace, b: Trace) -> list[str]:
-    """Where two traces differ (bitwise); empty if nowhere."""
-    found: list[str] = []
-    for name in ("losses", "input_grads"):
-        for i, (x, y) in enumerate(zip(getattr(a, name), getattr(b, name), strict=True)):
-            if not torch.equal(x, y):
-                found.append(f"{name}[{i}]")
-    for name in ("grads", "params"):
-        for step, (xs, ys) in enumerate(zip(getattr(a, name), getattr(b, name), strict=True)):
-            for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
-                if not torch.equal(x, y):
-                    found.append(f"{name} of parameter {i} at step {step}")
-    for step, (sa, sb) in enumerate(zip(a.states, b.states, strict=True)):
-        if sa.keys() != sb.keys():
-            found.append(f"state_dict keys at step {step}")
-            continue
-        for key in sa:
-            x, y = sa[key], sb[key]
-            same = torch.equal(x, y) if isinstance(x, Tensor) else x == y
-            if not same:
-                found.append(f"state_dict[{key!r}] at step {step}")
-    return found
+    """Where two traces differ (bitwise, :func:`scalestate.testing.differences`); empty if nowhere."""
+    return testing.differences(attrs.asdict(a, recurse=False), attrs.asdict(b, recurse=False), name="trace")
 
 
 # ------------------------------------------------------------------ the ops a forward dispatches

@@ -15,6 +15,7 @@ from scalestate.backends import (
     get_backend,
     register_backend,
     resolve_backend,
+    unregister_backend,
 )
 from scalestate.backends.emulation import EmulationBackend
 from scalestate.backends.scaled_mm import ScaledMMBackend
@@ -26,6 +27,20 @@ class _Unavailable(EmulationBackend):
 
     def available(self, device=None):
         return False, "needs a device that does not exist"
+
+
+@pytest.fixture
+def register():
+    """register_backend for this test: every name it registered is unregistered afterwards."""
+    names: list[str] = []
+
+    def register(name, factory, *, replace=False):
+        register_backend(name, factory, replace=replace)
+        names.append(name)
+
+    yield register
+    for name in dict.fromkeys(reversed(names)):
+        unregister_backend(name)
 
 
 class TestRegistry:
@@ -42,18 +57,18 @@ class TestRegistry:
         with pytest.raises(UnknownBackendError):
             ss.ScalingStateManager(ss.DelayedScaling(), backend="tpu9000")
 
-    def test_register_and_use(self):
+    def test_register_and_use(self, register):
         """A registered factory is used by a manager, one instance per manager."""
-        register_backend("mine", EmulationBackend)
+        register("mine", EmulationBackend)
         a = ss.ScalingStateManager(ss.DelayedScaling(), backend="mine")
         b = ss.ScalingStateManager(ss.DelayedScaling(), backend="mine")
         assert isinstance(a.backend, EmulationBackend) and a.backend is not b.backend
 
-    def test_duplicate_needs_replace(self):
+    def test_duplicate_needs_replace(self, register):
         """Registering a taken name is refused unless replace=True."""
         with pytest.raises(ScaleStateError, match="replace=True"):
             register_backend("emulation", EmulationBackend)
-        register_backend("emulation", ScaledMMBackend, replace=True)
+        register("emulation", ScaledMMBackend, replace=True)
         assert isinstance(get_backend("emulation"), ScaledMMBackend)
 
     @pytest.mark.parametrize("name", ["", "auto", "has space", 3])
@@ -67,9 +82,9 @@ class TestRegistry:
         with pytest.raises(ScaleStateError, match="callable"):
             register_backend("x", 42)  # type: ignore[arg-type]
 
-    def test_incomplete_backend(self):
+    def test_incomplete_backend(self, register):
         """A backend lacking a method is refused with the method's name."""
-        register_backend("half", lambda: object())
+        register("half", lambda: object())
         with pytest.raises(ScaleStateError, match="available"):
             get_backend("half")
 
@@ -88,16 +103,16 @@ class TestRegistry:
         with pytest.raises(ScaleStateError, match=r"became cast\(request: CastRequest\)"):
             ss.ScalingStateManager(ss.DelayedScaling(), backend=Old())  # type: ignore[arg-type]
 
-    def test_unavailable_says_why(self):
+    def test_unavailable_says_why(self, register):
         """An unavailable backend's error carries its reason."""
-        register_backend("nowhere", _Unavailable)
+        register("nowhere", _Unavailable)
         with pytest.raises(BackendUnavailableError, match="does not exist"):
             ss.ScalingStateManager(ss.DelayedScaling(), backend="nowhere", device="cpu")
         assert available_backends()["nowhere"] == (False, "needs a device that does not exist")
 
-    def test_unavailable_found_at_first_cast_without_device(self):
+    def test_unavailable_found_at_first_cast_without_device(self, register):
         """With no device given, availability is checked for the first tensor's device."""
-        register_backend("nowhere", _Unavailable)
+        register("nowhere", _Unavailable)
         m = ss.ScalingStateManager(ss.DelayedScaling(), backend="nowhere")
         h = m.register("fc", roles=(ss.Role.INPUT,))
         with pytest.raises(BackendUnavailableError, match="does not exist"):
@@ -110,24 +125,24 @@ class TestRegistry:
         m.register("fc", roles=(ss.Role.INPUT,)).quantize(torch.ones(2), ss.Role.INPUT)
         assert m.backend.name == "emulation" and "backend='emulation'" in repr(m)
 
-    def test_auto_skips_a_broken_backend(self, caplog):
+    def test_auto_skips_a_broken_backend(self, caplog, register):
         """A registered backend whose factory fails does not stop 'auto' from trying the next."""
 
         def broken():
             raise ImportError("libfp8kernels.so: cannot open shared object file")
 
-        register_backend("cuda", broken)
+        register("cuda", broken)
         with caplog.at_level(logging.INFO, logger="scalestate"):
             backend = resolve_backend("auto", torch.device("cuda"))
         assert backend.name in ("scaled_mm", "emulation")
 
-    def test_backend_needs_a_name(self):
+    def test_backend_needs_a_name(self, register):
         """A backend object without a string name is refused, by registry and manager alike."""
 
         class Nameless(EmulationBackend):
             name = None  # type: ignore[assignment]
 
-        register_backend("nameless", Nameless)
+        register("nameless", Nameless)
         with pytest.raises(ScaleStateError, match="'name'"):
             get_backend("nameless")
         with pytest.raises(ScaleStateError, match="'name'"):
@@ -151,6 +166,41 @@ class TestRegistry:
         assert ss.ScalingStateManager(ss.DelayedScaling(), backend=b).backend is b
 
 
+class TestUnregister:
+    def test_unregister(self):
+        """An unregistered name is unknown again; managers made before keep their backend."""
+        register_backend("mine", EmulationBackend)
+        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="mine")
+        unregister_backend("mine")
+        with pytest.raises(UnknownBackendError, match="no backend named 'mine'"):
+            get_backend("mine")
+        assert "mine" not in available_backends() and isinstance(m.backend, EmulationBackend)
+        assert ss.backends.unregister_backend is unregister_backend and "unregister_backend" in ss.backends.__all__
+
+    def test_unknown_name_lists_what_can_be_unregistered(self, register):
+        """Unregistering an unknown name raises UnknownBackendError naming what can be unregistered."""
+        with pytest.raises(UnknownBackendError, match=r"no backend named 'tpu9000' .*: none$"):
+            unregister_backend("tpu9000")
+        register("mine", EmulationBackend)
+        with pytest.raises(UnknownBackendError, match=r"register_backend\(\) or an entry point: mine$"):
+            unregister_backend("tpu9000")
+
+    @pytest.mark.parametrize("name", ["emulation", "scaled_mm"])
+    def test_builtins_stay(self, name):
+        """A built-in name that was never replaced cannot be unregistered; it still works afterwards."""
+        with pytest.raises(UnknownBackendError, match=f"'{name}' is a built-in backend, which cannot be removed"):
+            unregister_backend(name)
+        assert get_backend(name).name == name
+
+    def test_replaced_builtin_is_restored(self):
+        """Unregistering a replaced built-in restores the built-in backend, once."""
+        register_backend("emulation", ScaledMMBackend, replace=True)
+        unregister_backend("emulation")
+        assert type(get_backend("emulation")) is EmulationBackend
+        with pytest.raises(UnknownBackendError, match="built-in"):
+            unregister_backend("emulation")
+
+
 class TestEntryPoints:
     def test_third_party_registration(self, tmp_path, monkeypatch):
         """A distribution declaring the 'scalestate.backends' entry point is found by name."""
@@ -171,8 +221,19 @@ class TestEntryPoints:
             "[scalestate.backends]\nthirdparty = thirdparty_fp8:ThirdParty\nauto = thirdparty_fp8:ThirdParty\n"
         )
         monkeypatch.syspath_prepend(str(tmp_path))
-        assert "thirdparty" in available_backends()
-        assert "auto" not in available_backends()
-        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="thirdparty")
-        assert type(m.backend).__name__ == "ThirdParty"
         monkeypatch.delitem(sys.modules, "thirdparty_fp8", raising=False)
+        try:
+            assert "thirdparty" in available_backends()
+            assert "auto" not in available_backends()
+            m = ss.ScalingStateManager(ss.DelayedScaling(), backend="thirdparty")
+            assert type(m.backend).__name__ == "ThirdParty"
+            unregister_backend("thirdparty")
+            assert "thirdparty" not in available_backends()  # the entry point is not loaded again
+            with pytest.raises(UnknownBackendError):
+                get_backend("thirdparty")
+            assert m.backend.name == "thirdparty"  # a manager made before keeps its instance
+            register_backend("thirdparty", EmulationBackend)  # the name can be registered again
+            assert type(get_backend("thirdparty")) is EmulationBackend
+        finally:
+            if "thirdparty" in available_backends():
+                unregister_backend("thirdparty")

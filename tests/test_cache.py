@@ -1,30 +1,21 @@
-"""scalestate.cache: weight casts cached per (tensor, version, scale epoch) (invariant 5)."""
+"""The weight-cast cache: weight casts cached per (tensor, version, scale epoch) (invariant 5)."""
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.utils.checkpoint as tcp
 
 import scalestate as ss
+from scalestate.testing import CastSpy, assert_same
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 
 
-def _count_casts(manager: ss.ScalingStateManager, tensor: torch.Tensor) -> list[int]:
-    """Wrap the manager's backend so that its casts of ``tensor``'s storage are counted."""
-    count = [0]
-    real = manager.backend.cast
-
-    @functools.wraps(real)
-    def counting(request):
-        if request.x.data_ptr() == tensor.data_ptr():
-            count[0] += 1
-        return real(request)
-
-    manager.backend.cast = counting  # type: ignore[method-assign]
-    return count
+def _watch(manager: ss.ScalingStateManager) -> CastSpy:
+    """A spy on the manager's backend for the rest of the test (each test has a manager of its own)."""
+    spy = CastSpy(manager)
+    spy.__enter__()
+    return spy
 
 
 def _weight_amax(manager: ss.ScalingStateManager, name: str) -> float:
@@ -35,11 +26,11 @@ def _weight_amax(manager: ss.ScalingStateManager, name: str) -> float:
 class TestWeightCastCache:
     def _setup(self, manager):
         layer = ss.nn.Linear(16, 8, manager=manager, name="fc")
-        return layer, _count_casts(manager, layer.weight)
+        return layer, _watch(manager)
 
     def test_once_per_step_across_microbatches_and_recompute(self, manager):
         """4 checkpointed microbatches: one weight cast per step; a new one after the optimizer step."""
-        layer, count = self._setup(manager)
+        layer, spy = self._setup(manager)
         opt = torch.optim.SGD(layer.parameters(), lr=0.1)
         for step in range(3):
             for _ in range(4):
@@ -47,7 +38,7 @@ class TestWeightCastCache:
                     y = tcp.checkpoint(layer, torch.randn(2, 16), use_reentrant=False)
                 with manager.backward():
                     y.sum().backward()
-            assert count[0] == step + 1
+            assert spy.casts_of(layer.weight) == step + 1
             opt.step()
             manager.step()
 
@@ -55,27 +46,26 @@ class TestWeightCastCache:
         """A cast is reused only for the same tensor, unmodified, in the same scale epoch."""
         h = manager.register("w", roles=(W,))
         w = torch.randn(8, 8)
-        count = _count_casts(manager, w)
+        spy = _watch(manager)
         with manager.forward():
             h.quantize(w, W)
             h.quantize(w, W)  # same tensor, same version, same epoch: a hit
-        assert count[0] == 1
+        assert spy.casts_of(w) == 1
         w.add_(1.0)  # new version
         with manager.forward():
             h.quantize(w, W)
-        assert count[0] == 2
+        assert spy.casts_of(w) == 2
         manager.step()  # new epoch
         with manager.forward():
             h.quantize(w, W)
-        assert count[0] == 3
-        other = _count_casts(manager, w)  # a different tensor with equal values is not a hit
-        with manager.forward():
+        assert spy.casts_of(w) == 3
+        with manager.forward():  # a different tensor with equal values is not a hit
             h.quantize(w.clone(), W)
-        assert count[0] == 3 and other[0] == 0
+        assert spy.casts_of(w) == 3 and len(spy.requests) == 4
 
     def test_in_place_edit_between_microbatches(self, manager):
         """An in-place weight change mid-step is seen: the next cast is fresh and correct."""
-        layer, count = self._setup(manager)
+        layer, spy = self._setup(manager)
         x = torch.randn(2, 16)
         with manager.forward():
             y1 = layer(x)
@@ -83,47 +73,64 @@ class TestWeightCastCache:
             layer.weight.mul_(2)
         with manager.forward():
             y2 = layer(x)
-        assert count[0] == 2 and not torch.equal(y1, y2)
+        assert spy.casts_of(layer.weight) == 2 and not torch.equal(y1, y2)
 
     def test_module_load_state_dict(self, manager):
         """Loading module weights invalidates the cast."""
-        layer, count = self._setup(manager)
+        layer, spy = self._setup(manager)
         with manager.forward():
             layer(torch.randn(2, 16))
         layer.load_state_dict({k: v * 3 for k, v in layer.state_dict().items()})
         with manager.forward():
             layer(torch.randn(2, 16))
-        assert count[0] == 2
+        assert spy.casts_of(layer.weight) == 2
 
-    def test_manager_load_state_dict(self, manager):
-        """Loading scaling state (new scales) invalidates the cast."""
-        layer, count = self._setup(manager)
+    def test_manager_load_state_dict(self, recipe, backend):
+        """Loading scaling state (new scales) invalidates a cast made in the same epoch: the next
+        training forward casts the weight again, with the loaded scales, exactly as a fresh
+        manager that loaded the same state does."""
+        torch.manual_seed(0)
+        manager = ss.ScalingStateManager(recipe, backend=backend)
+        layer, spy = self._setup(manager)
+        x = torch.randn(2, 16)
         with manager.forward():
-            layer(torch.randn(2, 16))
+            layer(x)
         manager.step()
         sd = manager.state_dict()
-        with manager.forward():
-            layer(torch.randn(2, 16))
-        manager.step()
+        for scale in (4.0, 16.0):  # the scales move on from the saved ones
+            with manager.forward():
+                layer(x * scale)
+            manager.step()
+        with torch.no_grad():
+            layer(x)  # evaluation: a cast of this epoch, cached, recording nothing
+        casts = spy.casts_of(layer.weight)
         manager.load_state_dict(sd)
         with manager.forward():
-            layer(torch.randn(2, 16))
-        assert count[0] == 3
+            y = layer(x)
+        assert spy.casts_of(layer.weight) == casts + 1
+        fresh = ss.ScalingStateManager(recipe, backend=backend)
+        twin = ss.nn.Linear(16, 8, manager=fresh, name="fc")
+        twin.load_state_dict(layer.state_dict())
+        fresh.load_state_dict(sd)
+        with fresh.forward():
+            want = twin(x)
+        assert torch.equal(y, want)
+        assert_same(manager.state_dict(), fresh.state_dict(), name="state")
 
     def test_data_edits_need_invalidate(self, manager):
         """Edits through .data bypass the version counter; invalidate_casts() covers them."""
-        layer, count = self._setup(manager)
+        layer, spy = self._setup(manager)
         with manager.forward():
             layer(torch.randn(2, 16))
         layer.weight.data.mul_(2)
         manager.invalidate_casts()
         with manager.forward():
             layer(torch.randn(2, 16))
-        assert count[0] == 2
+        assert spy.casts_of(layer.weight) == 2
 
     def test_handle_invalidate_drops_only_its_own_cast(self, manager):
         """handle.invalidate_casts() recasts that handle's weight; other handles keep theirs."""
-        layer, count = self._setup(manager)
+        layer, spy = self._setup(manager)
         other = ss.nn.Linear(16, 4, manager=manager, name="other")
         x = torch.randn(2, 16)
         with manager.forward():
@@ -134,19 +141,19 @@ class TestWeightCastCache:
         layer.handle.invalidate_casts()
         with manager.forward():
             layer(x)
-        assert count[0] == 2
+        assert spy.casts_of(layer.weight) == 2
         again = other.handle.quantize(other.weight, ss.Role.WEIGHT)
         assert again.data is before.data  # still the cached cast
 
     def test_hit_records_like_a_fresh_cast(self, manager):
         """A weight cast made in evaluation still leaves the training step's weight amax complete."""
-        layer, count = self._setup(manager)
+        layer, spy = self._setup(manager)
         with torch.no_grad():
             layer(torch.randn(2, 16))  # evaluation: records nothing
         assert _weight_amax(manager, "fc") == 0.0
         with manager.forward():
             layer(torch.randn(2, 16))  # cache hit in training
-        assert count[0] == 1
+        assert spy.casts_of(layer.weight) == 1
         assert _weight_amax(manager, "fc") == layer.weight.abs().max().item()
 
     def test_new_tensor_at_same_address_is_not_a_hit(self, manager):
@@ -161,22 +168,22 @@ class TestWeightCastCache:
         """A cached cast without a transposed copy does not serve a request that needs one."""
         h = delayed.register("w", roles=(W,))
         w = torch.randn(4, 6)
-        count = _count_casts(delayed, w)
+        spy = _watch(delayed)
         with delayed.forward():
             assert h.quantize(w, W).transposed is None
             q = h.quantize(w, W, transpose=True)
             assert h.quantize(w, W, transpose=True) is q
             plain = h.quantize(w, W)  # served by the same cast, as asked for: one orientation
             assert plain.data is q.data and plain.transposed is None
-        assert count[0] == 2 and q.transposed is not None
+        assert spy.casts_of(w) == 2 and q.transposed is not None
 
     def test_inference_tensors_are_cast_uncached(self, delayed):
         """A weight created under inference_mode (no version counter) is cast every time."""
         with torch.inference_mode():
             w = torch.randn(4, 4)
         h = delayed.register("w", roles=(W,))
-        count = _count_casts(delayed, w)
+        spy = _watch(delayed)
         with delayed.forward():
             h.quantize(w, W)
             h.quantize(w, W)
-        assert count[0] == 2
+        assert spy.casts_of(w) == 2

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scalestate import testing
 from scalestate.atomic import atomic_save
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,23 +90,8 @@ class Worker:
 
 
 def assert_same(a: object, b: object, where: str = "checkpoint") -> None:
-    """Nested dicts, lists and tuples equal, tensors bitwise (``torch.equal``, same dtype)."""
-    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor)
-        assert a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict)
-        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for key in a:
-            assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple))
-        assert len(a) == len(b), f"{where}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+    """Nested dicts, lists and tuples equal, tensors bitwise (:func:`scalestate.testing.assert_same`)."""
+    testing.assert_same(a, b, name=where)
 
 
 def load(path: Path) -> dict:

@@ -12,17 +12,13 @@ import torch
 import scalestate as ss
 from helpers import assert_bitwise, backend_for, train
 from scalestate.errors import BackendUnavailableError
+from scalestate.testing import sqnr
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible to torch")
 
 SM89 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 needs_sm89 = pytest.mark.skipif(not SM89, reason="torch._scaled_mm on CUDA needs an sm89+ GPU (Ada, Hopper)")
 GPU_BACKENDS = ["emulation", pytest.param("scaled_mm", marks=needs_sm89)]
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.float(), x.float()
-    return (10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean())).item()
 
 
 class TestBackendsOnCuda:

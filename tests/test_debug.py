@@ -13,6 +13,7 @@ from helpers import assert_bitwise, train
 from sac_programs import BACKENDS, Policy, Program, Region, differences, run
 from sac_programs import RECIPES as PROGRAM_RECIPES
 from scalestate.errors import RecomputeMismatchError
+from scalestate.testing import OpLog
 
 #: Each fine-grained recipe on one backend here (see conftest.FINE_RECIPE_BACKEND).
 FINE_RECIPES_ON_ONE_BACKEND = True
@@ -70,17 +71,27 @@ class TestDetector:
                 y.sum().backward()
             m.step()
 
-    def test_off_by_default(self):
-        """Without debug the same divergence is not checked (no host reads)."""
-        m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
-        model = _noisy_model(m)
-        with m.forward():
-            x = torch.randn(16, 32, requires_grad=True)
-            y = tcp.checkpoint(model, x, use_reentrant=False, preserve_rng_state=False)
-        torch.rand(100)
-        with m.backward():
-            y.sum().backward()
-        assert not m.debug
+    @pytest.mark.parametrize("recipe", ["delayed", "current"])
+    def test_off_by_default(self, recipe):
+        """Without debug the same divergence is not checked: no error, and not one host read in
+        forward or backward, where debug mode reads back every forward and recomputed amax."""
+        make = {"delayed": ss.DelayedScaling, "current": ss.CurrentScaling}[recipe]
+
+        def host_reads(debug: bool, preserve_rng_state: bool) -> int:
+            m = ss.ScalingStateManager(make(), backend="emulation", **({"debug": True} if debug else {}))
+            assert m.debug is debug
+            model = _noisy_model(m)
+            with OpLog() as log:
+                with m.forward():
+                    x = torch.randn(16, 32, requires_grad=True)
+                    y = tcp.checkpoint(model, x, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+                torch.rand(100)  # without a preserved RNG state, the recompute's dropout differs
+                with m.backward():
+                    y.sum().backward()
+            return log.count("aten._local_scalar_dense.default")
+
+        assert host_reads(debug=False, preserve_rng_state=False) == 0
+        assert host_reads(debug=True, preserve_rng_state=True) > 0  # what the log would have seen
 
 
 class TestRecomputedMoreThanOnce:

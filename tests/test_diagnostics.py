@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import scalestate as ss
 from helpers import backend_for
+from scalestate.testing import OpLog
 
 E4M3_MAX = 448.0
 #: Half of E4M3's smallest subnormal (2**-9): anything smaller in magnitude rounds to zero.
@@ -326,27 +326,18 @@ class TestInvariants:
         """collect_stats adds no operation that reads a value back to the host in forward or backward."""
         host_reads = {"_local_scalar_dense", "is_nonzero", "item", "equal", "nonzero"}
 
-        class Ops(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.names = []
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.names.append(func.__name__.split(".")[0])
-                return func(*args, **(kwargs or {}))
-
         def reads(collect: bool) -> list[str]:
             torch.manual_seed(0)
             m = _manager(collect_stats=collect)
             layer = ss.nn.Linear(8, 8, manager=m)
             for _ in range(2):
-                with Ops() as ops:
+                with OpLog() as ops:
                     with m.forward():
                         loss = layer(torch.randn(4, 8)).sum()
                     with m.backward():
                         loss.backward()
                 m.step()
-            return [n for n in ops.names if n in host_reads]
+            return [name for name in (op.split(".")[1] for op in ops.ops) if name in host_reads]
 
         assert reads(True) == reads(False)
 

@@ -10,7 +10,7 @@ import torch
 
 import scalestate as ss
 from helpers import assert_bitwise, train
-from scalestate import sac
+from scalestate import sac, testing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,10 +155,23 @@ class TestBackendsPage:
         bit for bit like the emulation backend (checkpointing and microbatches included)."""
         block = next(b for b in _python_blocks(ROOT / "docs" / "backends.md") if "class MyBackend" in b)
         exec(compile(block, "backends.md", "exec"), {})
-        assert ss.backends.get_backend("mine").name == "mine"
-        for recipe in (ss.DelayedScaling(history_len=4), ss.CurrentScaling()):
-            mine = train(recipe, "mine", mechanism="non_reentrant", granularity="block")
-            assert_bitwise(train(recipe, "emulation", mechanism="non_reentrant", granularity="block"), mine)
+        try:
+            assert ss.backends.get_backend("mine").name == "mine"
+            for recipe in (ss.DelayedScaling(history_len=4), ss.CurrentScaling()):
+                mine = train(recipe, "mine", mechanism="non_reentrant", granularity="block")
+                assert_bitwise(train(recipe, "emulation", mechanism="non_reentrant", granularity="block"), mine)
+        finally:
+            ss.backends.unregister_backend("mine")
+
+
+class TestIntegrationGuide:
+    def test_testing_your_module(self):
+        """docs/integrations/custom.md's test of a module library runs as written and checks what it says."""
+        page = ROOT / "docs" / "integrations" / "custom.md"
+        block = next(b for b in _python_blocks(page) if "from scalestate.testing import" in b)
+        namespace: dict = {}
+        exec(compile(block, "custom.md", "exec"), namespace)
+        assert len(namespace["plain"]) == 5 and len(namespace["spy"].requests) == 4 + 4 * 8
 
 
 API_PAGES = ROOT / "docs" / "api"
@@ -190,7 +203,7 @@ def _covered(module_name: str, name: str, directives: dict[str, str]) -> bool:
 class TestApiReference:
     @pytest.mark.parametrize(
         "module_name",
-        ["scalestate", "scalestate.nn", "scalestate.backends", "scalestate.errors",
+        ["scalestate", "scalestate.nn", "scalestate.backends", "scalestate.errors", "scalestate.testing",
          "scalestate.integrations.torchao", "scalestate.integrations.transformers"],
     )
     def test_every_public_name_is_documented(self, module_name):
@@ -278,7 +291,10 @@ class TestDocstringExamples:
         "obj",
         [ss, ss.ScalingStateManager, ss.ScalingHandle, ss.Quantized, ss.DelayedScaling, ss.CurrentScaling,
          ss.RowwiseScaling, ss.BlockScaling, ss.MXFP8Scaling,
-         ss.nn.Linear, ss.nn.convert, ss.checkpoint, ss.backends.available_backends, sac.hidden_from_sac],
+         ss.nn.Linear, ss.nn.convert, ss.checkpoint, ss.backends.available_backends,
+         ss.backends.unregister_backend, sac.hidden_from_sac, testing, testing.assert_same, testing.differences,
+         testing.snapshot, testing.sqnr, testing.OpLog, testing.CastSpy, testing.registered_backend,
+         testing.Block, testing.TinyLM],
         ids=lambda o: getattr(o, "__name__", str(o)),
     )
     def test_doctest(self, obj):

@@ -19,7 +19,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import scalestate.finegrained as fg
 from scalestate.errors import CastError
@@ -31,6 +30,7 @@ from scalestate.finegrained import (
     quantize_rowwise,
     quantize_tiles,
 )
+from scalestate.testing import OpLog, sqnr
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
 DTYPES = (E4M3, E5M2)
@@ -419,18 +419,10 @@ class TestShapesAndErrors:
     def test_fixed_number_of_ops(self):
         """The op count does not grow with the tensor: no loops over rows or tiles."""
 
-        class Count(TorchDispatchMode):
-            n = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                Count.n += 1
-                return func(*args, **(kwargs or {}))
-
         def count(fn, x: Tensor) -> int:  # type: ignore[no-untyped-def]
-            Count.n = 0
-            with Count():
+            with OpLog() as log:
                 fn(x)
-            return Count.n
+            return len(log)
 
         for fn in (
             lambda x: quantize_tiles(x, E4M3, columnwise=True),
@@ -480,11 +472,6 @@ class TestProperty:
             assert same_f32(q.scale, scale)
             assert same_bytes(q.scale_inv, scale_inv)
             assert same_amax(q.amax, whole)
-
-
-def sqnr(x: Tensor, y: Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB."""
-    return 10 * math.log10(float(x.double().pow(2).sum() / (x.double() - y.double()).pow(2).sum()))
 
 
 class TestOutliers:

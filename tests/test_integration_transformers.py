@@ -22,6 +22,7 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D as HFConv1D
 
 import scalestate as ss
+from scalestate import testing
 from scalestate.integrations.transformers import Conv1D, ScalingStateCallback
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,19 +61,8 @@ def batches(steps: int, microbatches: int = 2, seed: int = 1) -> list[list[torch
 
 
 def assert_same(a, b, where="state"):
-    """Bitwise equality of nested dicts/lists of tensors and plain values."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for key in a:
-            assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
+    """Bitwise equality of nested dicts/lists of tensors and plain values (:func:`scalestate.testing.assert_same`)."""
+    testing.assert_same(a, b, name=where)
 
 
 def snapshot(model: torch.nn.Module, manager: ss.ScalingStateManager) -> dict:

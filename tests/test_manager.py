@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
 import torch
 import torch.utils.checkpoint as tcp
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import scalestate as ss
-from helpers import OpLog, backend_for
+from helpers import backend_for
 from scalestate.errors import PhaseError, ScaleStateError, SlotError
+from scalestate.testing import CastSpy, OpLog, assert_same, snapshot
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 
@@ -382,18 +383,51 @@ class TestMicrobatchesAndEvaluation:
         for key in ("amax_history", "scale", "step_amax"):
             assert torch.equal(before[key], after[key])
 
-    def test_inference_mode_between_steps(self, manager):
-        """Validation under inference_mode leaves no cast behind that training could not use."""
-        layer = ss.nn.Linear(16, 8, manager=manager, name="fc")
-        for _ in range(2):
-            with manager.forward():
-                y = layer(torch.randn(4, 16))
-            with manager.backward():
-                y.sum().backward()
-            manager.step()
-            with torch.inference_mode():
-                layer(torch.randn(4, 16))
-        assert manager.iteration == 2
+    def test_inference_mode_between_steps(self, recipe, backend):
+        """Validation under inference_mode, of the model and of a copy sharing the manager, between
+        microbatches and between steps, leaves no cast behind that training could not use and
+        takes none away that it could: training casts each weight once per step and ends bitwise
+        where it ends without validation."""
+
+        def run(validate: bool):
+            torch.manual_seed(0)
+            m = ss.ScalingStateManager(recipe, backend=backend)
+            layer = ss.nn.Linear(16, 8, manager=m, name="fc")
+            ema = copy.deepcopy(layer, memo={id(m): m})  # an evaluation copy: its own weights, the same slots
+            opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+            gen = torch.Generator().manual_seed(1)
+            probe = torch.randn(4, 16, generator=gen) * 50
+            steps, weight_casts = [], []
+
+            def validation() -> None:
+                if validate:
+                    with torch.inference_mode():
+                        layer(probe)
+                        ema(probe)
+
+            for step in range(3):
+                with CastSpy(m) as spy:
+                    validation()  # a new epoch: nothing cached yet
+                    for _ in range(2):
+                        with m.forward():
+                            y = layer(torch.randn(4, 16, generator=gen) * (step + 1))
+                        with m.backward():
+                            y.sum().backward()
+                        validation()  # between microbatches: the training cast is cached
+                    weight_casts.append(spy.casts_of(layer.weight))
+                opt.step()
+                opt.zero_grad()
+                m.step()
+                steps.append(snapshot(layer, m))
+            assert m.iteration == 3
+            return steps, weight_casts
+
+        plain, plain_casts = run(False)
+        validated, validated_casts = run(True)
+        assert plain_casts == [1, 1, 1]
+        # Validated: at each step's start, one uncached inference cast; then the training cast, once.
+        assert validated_casts == [2, 2, 2]
+        assert_same(validated, plain, name="steps")
 
     @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
     @pytest.mark.parametrize("requires_grad", [False, True])
@@ -506,27 +540,11 @@ class TestDevice:
 class TestCastRequests:
     """What the manager hands the backend: every decision made, nothing left to do after."""
 
-    def _spy(self, manager):
-        requests, inside, outside = [], [False], []
-        real = manager.backend.cast
-
-        def spy(request):
-            requests.append(request)
-            inside[0] = True
-            try:
-                return real(request)
-            finally:
-                inside[0] = False
-
-        manager.backend.cast = spy  # type: ignore[method-assign]
-
-        class Outside(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if not inside[0]:
-                    outside.append(str(func))
-                return func(*args, **(kwargs or {}))
-
-        return requests, outside, Outside
+    @staticmethod
+    def _watch(manager):
+        """A spy on the manager's backend, and a log of the ops dispatched outside its casts."""
+        spy = CastSpy(manager)
+        return spy, OpLog(when=lambda: not spy.casting)
 
     def test_recorded_cast_is_one_request_and_nothing_else(self, delayed):
         """A recorded cast is one request naming the slot's accumulator; the manager dispatches no
@@ -538,11 +556,11 @@ class TestCastRequests:
         delayed.step()
         with delayed.forward():
             h.quantize(x, I)  # the slot now has history: known on the host from here on
-        requests, outside, Outside = self._spy(delayed)
-        with delayed.forward(), Outside():
+        spy, outside = self._watch(delayed)
+        with delayed.forward(), spy, outside:
             q = h.quantize(x, I)
-        assert outside == []
-        (request,) = requests
+        assert outside.ops == []
+        (request,) = spy.requests
         assert request.jit is False and request.record is not None and not request.transpose
         assert torch.equal(request.scale, h.scale(I)) and torch.equal(q.scale, h.scale(I))
         assert request.record.data_ptr() == delayed.buffers()["step_amax"][0].data_ptr()
@@ -556,12 +574,12 @@ class TestCastRequests:
             with delayed.forward():
                 h.quantize(w, W)
             delayed.step()
-        requests, outside, Outside = self._spy(delayed)
-        with delayed.forward(), Outside():
+        spy, outside = self._watch(delayed)
+        with delayed.forward(), spy, outside:
             q = h.quantize(w, W)
             assert h.quantize(w, W) is q  # a second microbatch: a hit
-        assert outside == ["aten.detach.default"]  # the weight's detach, before the request
-        (request,) = requests
+        assert outside.ops == ["aten.detach.default"]  # the weight's detach, before the request
+        (request,) = spy.requests
         assert request.record is not None
         assert request.record.data_ptr() == delayed.buffers()["step_amax"][0].data_ptr()
         assert delayed.buffers()["step_amax"][0].item() == w.abs().max().item()
@@ -571,31 +589,30 @@ class TestCastRequests:
         the step records the amax it kept."""
         h = delayed.register("fc", roles=(W,))
         w = torch.randn(8, 8)
-        requests, _, _ = self._spy(delayed)
-        with torch.no_grad():
-            q = h.quantize(w, W)
-        assert delayed.buffers()["step_amax"][0].item() == 0.0
-        with delayed.forward():
-            assert h.quantize(w, W) is q
-        assert len(requests) == 1 and requests[0].record is not None
-        assert requests[0].record.data_ptr() != delayed.buffers()["step_amax"][0].data_ptr()
+        with CastSpy(delayed) as spy:
+            with torch.no_grad():
+                q = h.quantize(w, W)
+            assert delayed.buffers()["step_amax"][0].item() == 0.0
+            with delayed.forward():
+                assert h.quantize(w, W) is q
+        (request,) = spy.requests
+        assert request.record is not None
+        assert request.record.data_ptr() != delayed.buffers()["step_amax"][0].data_ptr()
         assert delayed.buffers()["step_amax"][0].item() == w.abs().max().item()
 
     @pytest.mark.parametrize("kind", ["evaluation", "recompute"])
     def test_unrecorded_casts_name_no_accumulator(self, delayed, kind):
         """Evaluation and recompute casts hand the backend no record target."""
         h = delayed.register("fc", roles=(I,))
-        requests, _, _ = self._spy(delayed)
-        with torch.no_grad() if kind == "evaluation" else delayed.recompute():
+        with CastSpy(delayed) as spy, torch.no_grad() if kind == "evaluation" else delayed.recompute():
             h.quantize(torch.randn(4), I)
-        assert requests[0].record is None
+        assert spy.requests[0].record is None
 
     def test_just_in_time_and_transpose(self, delayed):
         """Before any history the request scales just in time; transpose is passed through."""
         h = delayed.register("fc", roles=(I,))
-        requests, _, _ = self._spy(delayed)
-        with delayed.forward():
+        with CastSpy(delayed) as spy, delayed.forward():
             q = h.quantize(torch.randn(4, 6), I, transpose=True)
-        assert requests[0].jit is True and requests[0].transpose and q.transposed is not None
+        assert spy.requests[0].jit is True and spy.requests[0].transpose and q.transposed is not None
         with pytest.raises(ScaleStateError, match=r"transpose=True needs a 2-d tensor"):
             h.quantize(torch.randn(4), I, transpose=True)

@@ -9,6 +9,7 @@ import torch
 
 import scalestate as ss
 from helpers import assert_bitwise, train
+from scalestate.testing import CastSpy
 
 #: Each fine-grained recipe on one backend here (see conftest.FINE_RECIPE_BACKEND).
 FINE_RECIPES_ON_ONE_BACKEND = True
@@ -21,31 +22,19 @@ def reference(recipe: ss.Recipe, backend: str, microbatches: int = 4):
 
 class TestWeightCastOncePerStep:
     @pytest.mark.parametrize("mechanism", ["none", "non_reentrant", "reentrant"])
-    def test_count(self, recipe, backend, mechanism, monkeypatch):
+    def test_count(self, recipe, backend, mechanism):
         """4 microbatches, checkpointed or not: each of the 8 weights is cast once per step."""
-        casts: list[int] = []
-        real_init = ss.ScalingStateManager.__init__
-
-        def spying_init(self, *args, **kwargs):
-            real_init(self, *args, **kwargs)
-            real = self.backend.cast
-
-            def counting(request):
-                casts.append(request.x.data_ptr())
-                return real(request)
-
-            self.backend.cast = counting
-
-        monkeypatch.setattr(ss.ScalingStateManager, "__init__", spying_init)
+        instance = ss.backends.get_backend(backend) if isinstance(backend, str) else backend
         ckpt = mechanism != "none"
-        rec = train(
-            recipe, backend, microbatches=4, steps=3,
-            mechanism=mechanism if ckpt else "non_reentrant", granularity="block" if ckpt else "none",
-        )
-        weights = {p.data_ptr() for p in rec.model.parameters() if p.dim() == 2}
-        weight_casts = [c for c in casts if c in weights]
-        other = len(casts) - len(weight_casts)
-        assert len(weight_casts) == 3 * 8
+        with CastSpy(instance) as spy:  # the backend instance the run's manager is given
+            rec = train(
+                recipe, instance, microbatches=4, steps=3,
+                mechanism=mechanism if ckpt else "non_reentrant", granularity="block" if ckpt else "none",
+            )
+        weights = [p for p in rec.model.parameters() if p.dim() == 2]
+        weight_casts = [spy.casts_of(w) for w in weights]
+        other = len(spy.requests) - sum(weight_casts)
+        assert weight_casts == [3] * 8  # once per step, each of them
         # INPUT and GRAD_OUTPUT of 8 layers x 4 microbatches, plus INPUT again in each recompute
         assert other == 3 * 4 * 8 * (3 if ckpt else 2)
 

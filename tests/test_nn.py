@@ -7,6 +7,7 @@ import torch
 
 import scalestate as ss
 from helpers import backend_for
+from scalestate.testing import sqnr
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 
@@ -15,11 +16,6 @@ I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 # and the gradients multiply an E5M2 operand by an E4M3 one (~24.5 dB measured).
 OUTPUT_SQNR_DB = 25.0
 GRAD_SQNR_DB = 20.0
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.float(), x.float()
-    return (10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean())).item()
 
 
 def _pair(manager, dtype=torch.float32, bias=True):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import scalestate as ss
 from scalestate.errors import PhaseError, StateDictError
 from scalestate.persist import TENSOR_KEYS, recipe_from_dict
+from scalestate.testing import assert_same
 
 I, G = ss.Role.INPUT, ss.Role.GRAD_OUTPUT
 F32_MAX = torch.finfo(torch.float32).max
@@ -42,24 +43,10 @@ def _trained(recipe=None, backend="emulation", steps=3):
     return m, (layer, other)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's raw bits (so -0.0 differs from 0.0 and NaN payloads count)."""
-    if t.is_floating_point():
-        return t.detach().contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    return t.detach()
-
-
 def assert_same_state(a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
-    """Two state dicts hold the same values bit for bit (tensors: dtype, shape and every bit)."""
-    assert list(a) == list(b)
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, torch.Tensor):
-            assert isinstance(y, torch.Tensor), key
-            assert x.dtype == y.dtype and x.shape == y.shape, key
-            assert torch.equal(_bits(x), _bits(y)), key
-        else:
-            assert x == y and type(x) is type(y), key
+    """Two state dicts hold the same values bit for bit (tensors: dtype, shape and every bit, so -0.0
+    differs from 0.0 and NaN payloads count)."""
+    assert_same(a, b, bits=True, name="state")
 
 
 def _refused(target: ss.ScalingStateManager, sd: object, match: str | None = None) -> StateDictError:

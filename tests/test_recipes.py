@@ -26,6 +26,7 @@ from torch._dynamo.utils import counters
 import scalestate as ss
 from helpers import assert_bitwise, train
 from scalestate.backends.emulation import EmulationBackend
+from scalestate.testing import sqnr
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
@@ -115,12 +116,6 @@ class TestCastsMatchReference:
 
 
 # --------------------------------------------------------------------------- accuracy
-
-def sqnr(ref: Tensor, x: Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB."""
-    ref, x = ref.double(), x.double()
-    return 10 * math.log10(float(ref.pow(2).sum() / (ref - x).pow(2).sum()))
-
 
 #: Recipes of the accuracy tests: the defaults (1 x 128 tiles and 128 x 128 blocks; the
 #: 256-wide layer and 256 tokens hold 2 tiles per row and 4 blocks per weight).

@@ -17,9 +17,9 @@ import torch
 import torch.utils.checkpoint as tcp
 
 import scalestate as ss
-from helpers import OpLog
 from sac_programs import BACKENDS, RECIPES, Event, Policy, Program, Region, differences, run
 from scalestate.sac import hidden_from_sac, sac_active
+from scalestate.testing import OpLog
 
 aten = torch.ops.aten
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import scalestate as ss
 from scalestate import backends as registry
-from scalestate.backends import CastRequest, CastSpec, resolve_backend, supports
+from scalestate.backends import CastRequest, CastSpec, get_backend, resolve_backend, supports
 from scalestate.backends.emulation import EmulationBackend
 from scalestate.backends.scaled_mm import ScaledMMBackend
 from scalestate.backends.scaled_mm.layout import block_args, rowwise_args, swizzle_32_4_4
@@ -25,6 +25,7 @@ from scalestate.errors import BackendUnavailableError
 from scalestate.finegrained import e8m0_to_float32
 from scalestate.granularity import Granularity, GranularityKind
 from scalestate.quantized import Quantized
+from scalestate.testing import OpLog, registered_backend
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ROW = Granularity(GranularityKind.ROW, 0, False)
@@ -39,7 +40,23 @@ FINE = {
 #: Shapes with partial tiles and blocks at every edge, and whole ones.
 SHAPES = [(7, 13, 5), (64, 96, 48), (130, 257, 129), (256, 512, 384)]
 CPU = torch.device("cpu")
+CUDA = torch.device("cuda")
 U = 2.0**-24  # float32 unit roundoff
+
+
+class _ScaledMMOnCPU(ScaledMMBackend):
+    """scaled_mm answering availability and support as on the CPU, whatever device it is asked about."""
+
+    def available(self, device=None):
+        return super().available(CPU)
+
+    def supports(self, recipe, device=None):
+        return super().supports(recipe, CPU)
+
+
+class _Unavailable(EmulationBackend):
+    def available(self, device=None):
+        return False, "not here"
 
 
 def cast(x, g, dtype=E4M3) -> Quantized:
@@ -383,20 +400,11 @@ class TestSupports:
 
     def test_no_tensor_operations(self):
         """supports() is answered from the device and the build: no tensor operation runs."""
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Count(TorchDispatchMode):
-            ops = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                Count.ops += 1
-                return func(*args, **(kwargs or {}))
-
         backend = ScaledMMBackend(fallback="emulation")
-        with Count():
+        with OpLog() as log:
             for recipe in [ss.DelayedScaling(), *FINE.values()]:
                 backend.supports(recipe, CPU)
-        assert Count.ops == 0
+        assert log.ops == []
 
     def test_module_function_without_the_method(self):
         """A backend without supports(): per-tensor recipes where available, fine-grained ones refused."""
@@ -483,19 +491,33 @@ class TestManagers:
             resolve_backend("scaled_mm", CPU, recipe=ss.MXFP8Scaling())
         assert resolve_backend("scaled_mm", CPU, recipe=ss.RowwiseScaling()).name == "scaled_mm"
 
-    def test_auto_skips_backends_without_support(self, monkeypatch, caplog):
-        """'auto' passes over a backend that does not run the recipe on the device, and says why."""
-        monkeypatch.setitem(registry._AUTO_ORDER, "cpu", ("scaled_mm", "emulation"))
-        with caplog.at_level(logging.INFO, logger="scalestate"):
-            m = ss.ScalingStateManager(ss.BlockScaling(), device="cpu")
-        assert m.backend.name == "emulation"
-        assert ss.ScalingStateManager(ss.RowwiseScaling(), device="cpu").backend.name == "scaled_mm"
-        assert ss.ScalingStateManager(ss.DelayedScaling(), device="cpu").backend.name == "scaled_mm"
+    def test_auto_skips_backends_without_support(self, caplog):
+        """'auto' passes over a backend that does not run the recipe on the device, and says why.
 
-    def test_auto_error_names_the_recipe(self, monkeypatch):
-        monkeypatch.setitem(registry._AUTO_ORDER, "cpu", ("scaled_mm",))
-        with pytest.raises(BackendUnavailableError, match="no backend can run MXFP8Scaling on cpu: scaled_mm: "):
-            ss.ScalingStateManager(ss.MXFP8Scaling(), device="cpu")
+        'auto' on CPU asks only the emulation backend, so the test asks it for a CUDA device, whose
+        order is cuda, scaled_mm, emulation: 'cuda' is scaled_mm answering as on this CPU, the real
+        scaled_mm is replaced by an unavailable one (so that no GPU changes the answers).
+        """
+        with registered_backend("cuda", _ScaledMMOnCPU), registered_backend("scaled_mm", _Unavailable, replace=True):
+            with caplog.at_level(logging.INFO, logger="scalestate"):
+                assert resolve_backend("auto", CUDA, recipe=ss.BlockScaling()).name == "emulation"
+            assert "backend='auto' chose 'emulation'" in caplog.text
+            assert resolve_backend("auto", CUDA, recipe=ss.RowwiseScaling()).name == "scaled_mm"
+            assert resolve_backend("auto", CUDA, recipe=ss.DelayedScaling()).name == "scaled_mm"
+
+    def test_auto_error_names_the_recipe(self):
+        """When no backend runs the recipe, the error names the recipe and each backend's reason."""
+        with (
+            registered_backend("cuda", _ScaledMMOnCPU),
+            registered_backend("scaled_mm", _Unavailable, replace=True),
+            registered_backend("emulation", _ScaledMMOnCPU, replace=True),
+            pytest.raises(BackendUnavailableError) as info,
+        ):
+            resolve_backend("auto", CUDA, recipe=ss.MXFP8Scaling())
+        message = str(info.value)
+        assert message.startswith("no backend can run MXFP8Scaling on cuda: cuda: ")
+        assert "scaled_mm: not here" in message and message.count("MX") >= 3
+        assert type(get_backend("emulation")) is EmulationBackend  # the built-ins are back
 
     def test_moving_checks_again(self):
         """manager.to(device) binds again, and checks the recipe there."""

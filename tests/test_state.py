@@ -1,4 +1,4 @@
-"""scalestate.state: buffers that grow by doubling, then never move."""
+"""The manager's state buffers: they grow by doubling, then never move."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import scalestate as ss
-from helpers import OpLog
 from scalestate.errors import SlotError
+from scalestate.testing import OpLog, assert_same
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 
@@ -43,14 +43,27 @@ class TestGrowth:
 
     def test_values_survive_growth(self, delayed):
         """Growing keeps every earlier slot's history, scale and pending amax."""
-        h = delayed.register("a", roles=(I,))
+        source = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+        for name in ("a", "b"):
+            source.register(name, roles=(I, W))
+        with source.forward():
+            for h in source.handles.values():
+                h.quantize(torch.full((4,), 2.0), I)
+        source.step()  # a history and a scale of their own
+        handles = [delayed.register(name, roles=(I, W)) for name in ("a", "b")]
+        delayed.load_state_dict(source.state_dict())  # loading does not freeze the buffers
         with delayed.forward():
-            h.quantize(torch.full((4,), 3.0), I)
+            handles[0].quantize(torch.full((4,), 5.0), I)  # pending: recorded, not yet stepped
+            handles[1].quantize(torch.full((4, 4), 7.0), W)
+        before, ptrs = delayed.state_dict(), _ptrs(delayed)
         delayed.reserve(100)
+        assert delayed.capacity >= 100 and _ptrs(delayed) != ptrs  # the buffers really moved
+        assert_same(delayed.state_dict(), before, name="state")
         with delayed.forward():
-            h.quantize(torch.full((4,), 5.0), I)
+            handles[0].quantize(torch.full((4,), 3.0), I)  # less than what was pending
         delayed.step()
-        assert h.amax_history(I)[-1].item() == 5.0
+        assert handles[0].amax_history(I).tolist() == [0.0, 0.0, 2.0, 5.0]
+        assert handles[1].amax_history(W).tolist() == [0.0, 0.0, 0.0, 7.0]
 
 
 class TestStableAddresses:

@@ -190,7 +190,7 @@ def _window(losses: list[float], upto: int, window: int) -> float:
 
 
 def _probe_model(cfg: DemoConfig) -> torch.nn.Module:
-    from scalestate.demo.model import TinyLM
+    from scalestate.testing import TinyLM
 
     with torch.device("meta"):
         return TinyLM(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, seq_len=cfg.seq_len)

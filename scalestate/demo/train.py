@@ -13,9 +13,9 @@ from torch import Tensor
 
 import scalestate as ss
 from scalestate.demo.data import batches, corpus, encode
-from scalestate.demo.model import TinyLM
 from scalestate.demo.progress import Progress
 from scalestate.errors import ArgumentValueError
+from scalestate.testing import TinyLM
 
 __all__ = ["RECIPE_NAMES", "DemoConfig", "RecipeName", "RunResult", "train"]
 
