@@ -229,7 +229,7 @@ class FP8AllGatherWeight(torch.Tensor):
                     f"slot {self._handle.name!r}: FSDP handed back an unsharded weight of type "
                     f"{type(out).__name__}; expected the GatheredFP8Weight made by the first all-gather"
                 )
-            out._refresh(scale, scale_inv, source)
+            out.refresh(scale, scale_inv, source)
             return None
         data = gathered.view(fp8_dtype)
         return GatheredFP8Weight(data, scale, scale_inv, source, self._handle, param_dtype), (gathered,)

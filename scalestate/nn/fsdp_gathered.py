@@ -121,9 +121,9 @@ class GatheredFP8Weight(torch.Tensor):
     ) -> None:
         self._data = data
         self._handle = handle
-        self._refresh(scale, scale_inv, source)
+        self.refresh(scale, scale_inv, source)
 
-    def _refresh(self, scale: Tensor, scale_inv: Tensor, source: ShardSource) -> None:
+    def refresh(self, scale: Tensor, scale_inv: Tensor, source: ShardSource) -> None:
         """A new all-gather refilled the data in place: take its scales and cast source."""
         self._scale = scale
         self._scale_inv = scale_inv
