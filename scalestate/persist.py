@@ -31,8 +31,9 @@ the same without ``nonfinite_counts``; it still loads, with every count 0.
 Everything is a dict, list, str, int, bool or tensor, so
 ``torch.load(path, weights_only=True)`` loads it.
 
-``validate`` (in the private ``scalestate._engine.loading``: what ``load_state_dict`` runs) accepts a dict only if a load
-restores it bit for bit and the manager can go on from it; anything else
+``load_state_dict`` (its checks are in the private
+``scalestate._engine.loading``) accepts a dict only if a load restores it
+bit for bit and the manager can go on from it; anything else
 raises :class:`~scalestate.errors.StateDictError` (a ``ValueError``) naming
 the key, what was expected and what it holds, before anything is modified:
 
