@@ -12,6 +12,7 @@ from torch import Tensor
 
 from scalestate._engine.binding import BackendBinding, canonical_device
 from scalestate._engine.casting import Caster, ShardCast
+from scalestate._engine.loading import validate
 from scalestate._engine.state import Slot, State
 from scalestate._engine.stepping import run_step
 from scalestate.backends import Backend, CastSpec
@@ -20,7 +21,7 @@ from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
 from scalestate.errors import ArgumentTypeError, PhaseError, ScaleStateError, SlotError
 from scalestate.handle import ScalingHandle
 from scalestate.nonfinite import NonFinitePolicy, NonFinitePolicyName, parse_policy
-from scalestate.persist import recipe_to_dict, to_state_dict, validate
+from scalestate.persist import recipe_to_dict, to_state_dict
 from scalestate.phase import Phase
 from scalestate.quantized import Quantized
 from scalestate.recipe import RECIPES, Recipe, Role, fp8_max

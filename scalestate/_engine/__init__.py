@@ -16,6 +16,9 @@ What each module holds, so that a reader of the manager can find it:
     The weight-cast cache: one cast per (weight, version, scale epoch).
 ``binding``
     Which backend a manager uses, on which device; settled once, then fixed.
+``loading``
+    Every check a saved state passes before :meth:`load_state_dict` changes
+    anything (the format itself is the public :mod:`scalestate.persist`).
 ``stepping``
     The end of a step: checks, the one cross-rank reduction, the non-finite
     policy, the backend's fused update.
