@@ -91,7 +91,7 @@ _AUTO_ORDER: dict[str, tuple[str, ...]] = {
 }
 
 _registry: dict[str, str | BackendFactory] = dict(_BUILTIN)
-#: Entry-point names unregistered in this process: not loaded from their entry point again.
+#: Names unregistered in this process: an entry point of one of them is not loaded again.
 _withdrawn: set[str] = set()
 
 
