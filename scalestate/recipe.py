@@ -272,7 +272,7 @@ class CurrentScaling(_DescribedRepr, _JustInTime):
         >>> ss.CurrentScaling(power_of_2=True).power_of_2
         True
         >>> ss.CurrentScaling(amax_floor=1e-12)  # torchao's dynamic scaling, bit for bit
-        CurrentScaling(format=<Format.HYBRID: 'hybrid'>, power_of_2=False, amax_floor=1e-12)
+        CurrentScaling(format=Format.HYBRID, power_of_2=False, amax_floor=1e-12)
     """
 
     #: FP8 format of forward and backward casts.

@@ -316,7 +316,7 @@ def matching_recipe(
         >>> from torchao.float8 import Float8LinearConfig
         >>> from scalestate.integrations.torchao import matching_recipe
         >>> matching_recipe(Float8LinearConfig(emulate=True))
-        CurrentScaling(format=<Format.HYBRID: 'hybrid'>, power_of_2=False, amax_floor=1e-12)
+        CurrentScaling(format=Format.HYBRID, power_of_2=False, amax_floor=1e-12)
         >>> matching_recipe(recipe=ss.DelayedScaling(history_len=4)).amax_floor
         1e-12
     """
