@@ -113,7 +113,7 @@ class TestAmaxFloor:
         assert r.amax_floor == 0.0 and r.rule.amax_floor == 0.0
         assert "amax_floor" not in repr(r)
         assert repr(ss.DelayedScaling()) == (
-            "DelayedScaling(history_len=16, amax_compute='max', margin=0, format=<Format.HYBRID: 'hybrid'>, "
+            "DelayedScaling(history_len=16, amax_compute='max', margin=0, format=Format.HYBRID, "
             "power_of_2=False)"
         )
 
