@@ -728,6 +728,7 @@ def test_missing_extra(monkeypatch):
     for name in [n for n in sys.modules if n == "torchao" or n.startswith("torchao.")]:
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(sys.modules, "scalestate.integrations.torchao")
+    monkeypatch.delitem(sys.modules, "scalestate.integrations._torchao_layer")
     with pytest.raises(ImportError, match=re.escape('pip install "scalestate[torchao]"')):
         importlib.import_module("scalestate.integrations.torchao")
 

@@ -40,8 +40,10 @@ class TestLayout:
 
     def test_import_leaves_the_compiler_alone(self, tmp_path):
         """Importing scalestate (and making a manager) does not import torch's compiler, which would
-        double the import time; the compiler's mark on the one function it must not trace is set
-        the way torch.compiler.assume_constant_result sets it."""
+        double the import time. Instead the one function the compiler must not trace carries the
+        single mark that torch.compiler.assume_constant_result sets: this test fails if torch's
+        mark changes, and tests/test_compile.py::TestCompiledLayer::test_first_cast_inside_a_compiled_checkpoint
+        fails if scalestate's function lacks it."""
         result = _run(
             "import sys, scalestate as ss; ss.ScalingStateManager(ss.DelayedScaling()); "
             "print('torch._dynamo' in sys.modules)",
@@ -50,14 +52,12 @@ class TestLayout:
         assert result.stdout.strip() == "False", result.stderr
         import torch
 
-        from scalestate._engine.binding import settle_during_trace
-
         def probe() -> int:
             return 1
 
         marked = torch.compiler.assume_constant_result(probe)
         assert [k for k in vars(marked) if k.startswith("_dynamo")] == ["_dynamo_marked_constant"]
-        assert vars(settle_during_trace)["_dynamo_marked_constant"] is True
+        assert vars(marked)["_dynamo_marked_constant"] is True
 
     def test_every_package_is_installed(self):
         """Every folder of the package that holds an ``__init__.py`` is in pyproject's package list,
@@ -71,6 +71,16 @@ class TestLayout:
                 parts = init.parent.relative_to(root / top).parts
                 found.add(".".join((name, *parts)))
         assert found == set(config["packages"])
+
+    def test_no_module_outgrows_a_reading(self):
+        """No source file of the package is over about 400 lines (420): one a reader can hold in
+        mind. A file that grows past it splits by job, as scalestate._engine and
+        backends/scaled_mm/ did."""
+        root = Path(__file__).resolve().parent.parent
+        files = [*(root / "scalestate").rglob("*.py"), *(root / "backends").rglob("*.py")]
+        assert len(files) > 50
+        long = {f.relative_to(root).as_posix(): n for f in files if (n := len(f.read_text().splitlines())) > 420}
+        assert not long, f"split these by job: {long}"
 
     def test_py_typed(self):
         """The package ships its type information marker."""

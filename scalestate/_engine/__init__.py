@@ -3,6 +3,9 @@
 Nothing here is public API; names and behaviour may change in any release.
 What each module holds, so that a reader of the manager can find it:
 
+``control``
+    The phase API's code (``begin_*()``, the phase blocks, ``step()``,
+    ``discard_step()``), a base of the manager that documents it as its own.
 ``state``
     :class:`~scalestate._engine.state.State`, the one mutable object behind a
     manager: the slot buffers (scales, amax histories, accumulators), which
