@@ -80,6 +80,7 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _BUILTIN: dict[str, str] = {
     "emulation": "scalestate.backends.emulation:EmulationBackend",
     "scaled_mm": "scalestate.backends.scaled_mm:ScaledMMBackend",
+    "cuda": "scalestate.backends.cuda:CudaBackend",
 }
 #: Preference of ``backend="auto"`` per device type, best first.
 _AUTO_ORDER: dict[str, tuple[str, ...]] = {

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a CUDA GPU, the cuda backend's Triton kernels run under Triton's interpreter on CPU
+# tensors (tests/test_cuda_backend.py). Triton reads the variable when the kernels' module is
+# first imported, so it is set here, before any test runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import scalestate as ss
 from helpers import backend_for
