@@ -23,7 +23,7 @@ from scalestate.granularity import GranularityKind
 from scalestate.math import ScaleRule
 from scalestate.quantized import Orientation, Quantized
 
-__all__ = ["INTERPRETED", "cast", "update"]
+__all__ = ["INTERPRETED", "blocks_cast", "cast", "lastdim_cast", "tensor_cast", "update"]
 
 #: Whether the kernels were imported under Triton's interpreter (``TRITON_INTERPRET=1``): they then
 #: run on CPU tensors, for testing. Decided when this module is first imported, as Triton decides.
@@ -78,11 +78,25 @@ def _blocks(m: int, n: int) -> tuple[int, int]:
 
 
 def cast(request: CastRequest) -> Quantized:
-    """One cast, as :class:`~scalestate.backends.CastRequest` says (per tensor or fine-grained)."""
-    with _quiet():
-        if request.spec.granularity is not None:
-            return _cast_fine(request)
+    """One cast, as :class:`~scalestate.backends.CastRequest` says (per tensor or fine-grained).
+
+    In eager code the kernels are launched directly; while ``torch.compile`` traces, through the
+    custom ops ``scalestate_cuda::cast_tensor``, ``cast_lastdim`` and ``cast_blocks``, opaque to the
+    compiler, with fake implementations that give the outputs' shapes.
+    """
+    spec = request.spec
+    if spec.granularity is None:
         return _cast_tensor(request)
+    kind, block, power_of_2 = spec.granularity
+    if kind == GranularityKind.BLOCK:
+        return _cast_blocks(request, block, power_of_2)
+    x = request.x
+    tile = max(x.shape[-1], 1) if kind == GranularityKind.ROW else block
+    rows = _cast_lastdim(x, request, kind, tile, power_of_2, request.record)
+    if not request.transpose:
+        return Quantized.of(rows, None)
+    col_tile = max(x.shape[0], 1) if kind == GranularityKind.ROW else block
+    return Quantized.of(rows, _cast_lastdim(x.t(), request, kind, col_tile, power_of_2, None))
 
 
 def _quiet() -> contextlib.AbstractContextManager[object]:
@@ -95,68 +109,82 @@ def _quiet() -> contextlib.AbstractContextManager[object]:
     return numpy.errstate(over="ignore", divide="ignore", invalid="ignore")
 
 
-def _cast_tensor(request: CastRequest) -> Quantized:
-    """Per-tensor: one launch with a given scale (the amax recorded in the same pass); just in time,
-    a zeroed scratch amax, one amax launch and one cast launch (two reads of ``x``)."""
-    x, spec = request.x, request.spec
-    rule = spec.rule
-    x2 = _rows(x)
-    m, n = x2.shape
-    src, kind = _as_readable(x2)
-    dev = x.device
-    data = torch.empty(x.shape, dtype=spec.dtype, device=dev)
-    data_t = torch.empty((n, m), dtype=spec.dtype, device=dev) if request.transpose else data
-    scale = torch.empty((), dtype=torch.float32, device=dev)
-    scale_inv = torch.empty((), dtype=torch.float32, device=dev)
-    record = request.record.view(torch.int32) if request.record is not None else scale_inv
-    jit = request.jit
-    mode = 0 if jit is False else 1 if jit is True else 2
-    jit_flag = jit.view(torch.uint8) if isinstance(jit, Tensor) else scale
-    bm, bn = _blocks(m, n)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    amax = scale
-    if mode:
-        amax = torch.zeros((), dtype=torch.int32, device=dev)
-        K.amax_kernel[grid](src, amax, record, m, n, src.stride(0), src.stride(1),
-                            IN_KIND=kind, RECORD=request.record is not None, BM=bm, BN=bn)
-    max_bits, mbits, bias = _FORMAT[spec.dtype]
-    K.tensor_cast_kernel[grid](
-        src, data.view(torch.uint8), data_t.view(torch.uint8), request.scale, jit_flag, amax, record, scale,
-        scale_inv, m, n, src.stride(0), src.stride(1),
-        IN_KIND=kind, JIT=mode, RECORD=request.record is not None and mode == 0, TRANSPOSE=request.transpose,
-        FP8_MAX=spec.fp8_max, MAX_BITS=max_bits, MBITS=mbits, BIAS=bias, MARGIN_DIV=float(2.0**rule.margin),
-        POW2=rule.power_of_2, FLOOR=_floor(rule), HW=_hardware(), BM=bm, BN=bn,
-    )
-    rows = Orientation(data, scale, scale_inv)
-    other = Orientation(data_t, scale, scale_inv) if request.transpose else None
-    return Quantized.of(rows, other)
-
-
 def _floor(rule: ScaleRule) -> float:
     """The amax floor as the float32 nearest to it (what ``clamp(min=floor)`` on float32 uses)."""
     return float(torch.tensor(rule.amax_floor, dtype=torch.float32)) if rule.amax_floor else 0.0
 
 
-def _cast_fine(request: CastRequest) -> Quantized:
-    spec = request.spec
-    assert spec.granularity is not None
-    kind, block, power_of_2 = spec.granularity
-    if kind == GranularityKind.BLOCK:
-        return _cast_blocks(request, block, power_of_2)
-    x = request.x
-    tile = max(x.shape[-1], 1) if kind == GranularityKind.ROW else block
-    rows = _cast_lastdim(x, request, kind, tile, power_of_2)
-    if not request.transpose:
-        return Quantized.of(rows, None)
-    col_tile = max(x.shape[0], 1) if kind == GranularityKind.ROW else block
-    return Quantized.of(rows, _cast_lastdim(x.t(), request, kind, col_tile, power_of_2, record=False))
+def _cast_tensor(request: CastRequest) -> Quantized:
+    spec, rule, jit = request.spec, request.spec.rule, request.jit
+    mode = 0 if jit is False else 1 if jit is True else 2
+    args = (
+        request.x, request.scale, jit if isinstance(jit, Tensor) else None, mode, request.record, request.transpose,
+        spec.dtype, spec.fp8_max, rule.margin, rule.power_of_2, _floor(rule),
+    )
+    op = _OPS[0] if torch.compiler.is_compiling() else tensor_cast
+    data, data_t, scale, scale_inv = op(*args)
+    rows = Orientation(data, scale, scale_inv)
+    return Quantized.of(rows, Orientation(data_t, scale, scale_inv) if request.transpose else None)
+
+
+def tensor_cast(
+    x: Tensor, scale_in: Tensor, jit: Tensor | None, jit_mode: int, record: Tensor | None, transpose: bool,
+    dtype: torch.dtype, fp8_max: float, margin: int, power_of_2: bool, floor: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-tensor cast: ``(data, data_t, scale, scale_inv)`` (``data_t`` empty without ``transpose``).
+
+    ``jit_mode`` 0: with ``scale_in``, one launch (the amax recorded in the same pass). 1 (just in
+    time) and 2 (per the device flag ``jit``): a zeroed scratch amax, one amax launch (which
+    records), one cast launch: two reads of ``x``, since the scale needs the amax first.
+    """
+    x2 = _rows(x)
+    m, n = x2.shape
+    src, kind = _as_readable(x2)
+    dev = x.device
+    data = torch.empty(x.shape, dtype=dtype, device=dev)
+    data_t = torch.empty((n, m) if transpose else (0,), dtype=dtype, device=dev)
+    scale = torch.empty((), dtype=torch.float32, device=dev)
+    scale_inv = torch.empty((), dtype=torch.float32, device=dev)
+    record_bits = record.view(torch.int32) if record is not None else scale_inv
+    jit_flag = jit.view(torch.uint8) if jit is not None else scale
+    bm, bn = _blocks(m, n)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    amax = scale
+    with _quiet():
+        if jit_mode:
+            amax = torch.zeros((), dtype=torch.int32, device=dev)
+            K.amax_kernel[grid](src, amax, record_bits, m, n, src.stride(0), src.stride(1),
+                                IN_KIND=kind, RECORD=record is not None, BM=bm, BN=bn)
+        max_bits, mbits, bias = _FORMAT[dtype]
+        K.tensor_cast_kernel[grid](
+            src, data.view(torch.uint8), data_t.view(torch.uint8), scale_in, jit_flag, amax, record_bits, scale,
+            scale_inv, m, n, src.stride(0), src.stride(1),
+            IN_KIND=kind, JIT=jit_mode, RECORD=record is not None and jit_mode == 0, TRANSPOSE=transpose,
+            FP8_MAX=fp8_max, MAX_BITS=max_bits, MBITS=mbits, BIAS=bias, MARGIN_DIV=float(2.0**margin),
+            POW2=power_of_2, FLOOR=floor, HW=_hardware(), BM=bm, BN=bn,
+        )
+    return data, data_t, scale, scale_inv
 
 
 def _cast_lastdim(
-    x: Tensor, request: CastRequest, kind: GranularityKind, tile: int, power_of_2: bool, *, record: bool = True
+    x: Tensor, request: CastRequest, kind: GranularityKind, tile: int, power_of_2: bool, record: Tensor | None
 ) -> Orientation:
-    """Rows, tiles or MX blocks along the last dimension: one launch (one read of ``x``)."""
     spec = request.spec
+    mx = kind == GranularityKind.MX
+    op = _OPS[1] if torch.compiler.is_compiling() else lastdim_cast
+    data, scale, scale_inv = op(x, record, mx, tile, power_of_2, spec.dtype, spec.fp8_max)
+    n_tiles = scale.shape[-1]
+    shape = (*x.shape[:-1], n_tiles) if x.dim() else (n_tiles,)
+    inv = scale_inv.view(torch.float8_e8m0fnu) if mx else scale_inv
+    tile_shape = (1, x.shape[-1]) if kind == GranularityKind.ROW else (1, tile)
+    return Orientation(data, scale.view(shape), inv.view(shape), tile_shape)
+
+
+def lastdim_cast(
+    x: Tensor, record: Tensor | None, mx: bool, tile: int, power_of_2: bool, dtype: torch.dtype, fp8_max: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows, tiles or MX blocks along the last dimension, one launch (one read of ``x``):
+    ``(data, scale [rows, tiles], scale_inv [rows, tiles])``, ``scale_inv`` as E8M0 bytes for MX."""
     x2 = _rows(x)
     r, k = x2.shape
     src, in_kind = _as_readable(x2)
@@ -165,55 +193,136 @@ def _cast_lastdim(
     bk = max(t, min(_p2(k), _PROGRAM_ELEMENTS))
     br = min(_p2(r), max(_PROGRAM_ELEMENTS // bk, 1))
     dev = x.device
-    mx = kind == GranularityKind.MX
-    data = torch.empty(x.shape, dtype=spec.dtype, device=dev)
+    data = torch.empty(x.shape, dtype=dtype, device=dev)
     scale = torch.empty((r, n_tiles), dtype=torch.float32, device=dev)
     scale_inv = torch.empty((r, n_tiles), dtype=torch.uint8 if mx else torch.float32, device=dev)
-    rec = request.record if record else None
-    record_bits = rec.view(torch.int32) if rec is not None else scale
-    max_bits, mbits, bias = _FORMAT[spec.dtype]
-    f_exp, f_mant = _MX_MAX[spec.dtype]
-    K.lastdim_cast_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
-        src, data.view(torch.uint8), scale, scale_inv, record_bits, r, k, src.stride(0), src.stride(1), n_tiles,
-        IN_KIND=in_kind, RECORD=rec is not None, MX=mx, POW2=power_of_2, FP8_MAX=spec.fp8_max,
-        MAX_BITS=max_bits, MBITS=mbits, BIAS=bias, F_EXP=f_exp, F_MANT_BITS=f_mant, HW=_hardware(),
-        BR=br, BK=bk, T=t,
-    )
-    shape = (*x.shape[:-1], n_tiles) if x.dim() else (n_tiles,)
-    inv = scale_inv.view(torch.float8_e8m0fnu) if mx else scale_inv
-    tile_shape = (1, x.shape[-1]) if kind == GranularityKind.ROW else (1, tile)
-    return Orientation(data, scale.view(shape), inv.view(shape), tile_shape)
+    record_bits = record.view(torch.int32) if record is not None else scale
+    max_bits, mbits, bias = _FORMAT[dtype]
+    f_exp, f_mant = _MX_MAX[dtype]
+    with _quiet():
+        K.lastdim_cast_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
+            src, data.view(torch.uint8), scale, scale_inv, record_bits, r, k, src.stride(0), src.stride(1), n_tiles,
+            IN_KIND=in_kind, RECORD=record is not None, MX=mx, POW2=power_of_2, FP8_MAX=fp8_max,
+            MAX_BITS=max_bits, MBITS=mbits, BIAS=bias, F_EXP=f_exp, F_MANT_BITS=f_mant, HW=_hardware(),
+            BR=br, BK=bk, T=t,
+        )
+    return data, scale, scale_inv
 
 
 def _cast_blocks(request: CastRequest, block: int, power_of_2: bool) -> Quantized:
-    """``block x block`` blocks of the last two dimensions: one launch, both orientations from one read."""
     x, spec = request.x, request.spec
-    *lead, m, k = x.shape
-    x3 = x.unsqueeze(0) if x.dim() == 2 else x.contiguous().view(-1, m, k)
-    src, in_kind = _as_readable(x3)
-    batch = x3.shape[0]
-    mt, kt = -(-m // block), -(-k // block)
-    dev = x.device
-    data = torch.empty(x.shape, dtype=spec.dtype, device=dev)
-    data_t = torch.empty((k, m), dtype=spec.dtype, device=dev) if request.transpose else data
-    scale = torch.empty((batch, mt, kt), dtype=torch.float32, device=dev)
-    scale_inv = torch.empty_like(scale)
-    rec = request.record
-    max_bits, mbits, bias = _FORMAT[spec.dtype]
-    cb = min(_p2(kt), max(_PROGRAM_ELEMENTS // (block * block), 1))
-    rb = min(_p2(mt), max(_PROGRAM_ELEMENTS // (block * block * cb), 1))
-    K.block_cast_kernel[(triton.cdiv(mt, rb), triton.cdiv(kt, cb), batch)](
-        src, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
-        rec.view(torch.int32) if rec is not None else scale, m, k, src.stride(0), src.stride(1), src.stride(2),
-        mt, kt, IN_KIND=in_kind, RECORD=rec is not None, TRANSPOSE=request.transpose, POW2=power_of_2,
-        FP8_MAX=spec.fp8_max, MAX_BITS=max_bits, MBITS=mbits, BIAS=bias, HW=_hardware(), B=block, RB=rb, CB=cb,
-    )
+    lead = x.shape[:-2]
+    op = _OPS[2] if torch.compiler.is_compiling() else blocks_cast
+    data, data_t, scale, scale_inv = op(x, request.record, block, power_of_2, request.transpose, spec.dtype,
+                                        spec.fp8_max)
+    mt, kt = scale.shape[-2:]
     scale = scale.view(*lead, mt, kt)
     scale_inv = scale_inv.view(*lead, mt, kt)
     rows = Orientation(data, scale, scale_inv, (block, block))
     if not request.transpose:
         return Quantized.of(rows, None)
     return Quantized.of(rows, Orientation(data_t, scale.t(), scale_inv.t(), (block, block)))
+
+
+def blocks_cast(
+    x: Tensor, record: Tensor | None, block: int, power_of_2: bool, transpose: bool, dtype: torch.dtype,
+    fp8_max: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``block x block`` blocks of the last two dimensions, one launch writing both orientations from
+    one read: ``(data, data_t, scale [batch, mt, kt], scale_inv)`` (``data_t`` empty without ``transpose``)."""
+    *_, m, k = x.shape
+    x3 = x.unsqueeze(0) if x.dim() == 2 else x.contiguous().view(-1, m, k)
+    src, in_kind = _as_readable(x3)
+    batch = x3.shape[0]
+    mt, kt = -(-m // block), -(-k // block)
+    dev = x.device
+    data = torch.empty(x.shape, dtype=dtype, device=dev)
+    data_t = torch.empty((k, m) if transpose else (0,), dtype=dtype, device=dev)
+    scale = torch.empty((batch, mt, kt), dtype=torch.float32, device=dev)
+    scale_inv = torch.empty_like(scale)
+    max_bits, mbits, bias = _FORMAT[dtype]
+    cb = min(_p2(kt), max(_PROGRAM_ELEMENTS // (block * block), 1))
+    rb = min(_p2(mt), max(_PROGRAM_ELEMENTS // (block * block * cb), 1))
+    with _quiet():
+        K.block_cast_kernel[(triton.cdiv(mt, rb), triton.cdiv(kt, cb), batch)](
+            src, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
+            record.view(torch.int32) if record is not None else scale, m, k, src.stride(0), src.stride(1),
+            src.stride(2), mt, kt, IN_KIND=in_kind, RECORD=record is not None, TRANSPOSE=transpose,
+            POW2=power_of_2, FP8_MAX=fp8_max, MAX_BITS=max_bits, MBITS=mbits, BIAS=bias, HW=_hardware(), B=block,
+            RB=rb, CB=cb,
+        )
+    return data, data_t, scale, scale_inv
+
+
+# ------------------------------------------------------------------ torch.compile: opaque custom ops
+@torch.library.custom_op("scalestate_cuda::cast_tensor", mutates_args=("record",))
+def _cast_tensor_op(
+    x: Tensor, scale_in: Tensor, jit: Tensor | None, jit_mode: int, record: Tensor | None, transpose: bool,
+    dtype: torch.dtype, fp8_max: float, margin: int, power_of_2: bool, floor: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return tensor_cast(x, scale_in, jit, jit_mode, record, transpose, dtype, fp8_max, margin, power_of_2, floor)
+
+
+@_cast_tensor_op.register_fake
+def _(
+    x: Tensor, scale_in: Tensor, jit: Tensor | None, jit_mode: int, record: Tensor | None, transpose: bool,
+    dtype: torch.dtype, fp8_max: float, margin: int, power_of_2: bool, floor: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    m, n = _rows(x).shape
+    t_shape = (n, m) if transpose else (0,)
+    one = x.new_empty((), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(t_shape, dtype=dtype), one, torch.empty_like(one)
+
+
+@torch.library.custom_op("scalestate_cuda::cast_lastdim", mutates_args=("record",))
+def _cast_lastdim_op(
+    x: Tensor, record: Tensor | None, mx: bool, tile: int, power_of_2: bool, dtype: torch.dtype, fp8_max: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    return lastdim_cast(x, record, mx, tile, power_of_2, dtype, fp8_max)
+
+
+@_cast_lastdim_op.register_fake
+def _(
+    x: Tensor, record: Tensor | None, mx: bool, tile: int, power_of_2: bool, dtype: torch.dtype, fp8_max: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    r, k = _rows(x).shape
+    n_tiles = -(-k // tile)
+    return (
+        x.new_empty(x.shape, dtype=dtype), x.new_empty((r, n_tiles), dtype=torch.float32),
+        x.new_empty((r, n_tiles), dtype=torch.uint8 if mx else torch.float32),
+    )
+
+
+@torch.library.custom_op("scalestate_cuda::cast_blocks", mutates_args=("record",))
+def _cast_blocks_op(
+    x: Tensor, record: Tensor | None, block: int, power_of_2: bool, transpose: bool, dtype: torch.dtype,
+    fp8_max: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return blocks_cast(x, record, block, power_of_2, transpose, dtype, fp8_max)
+
+
+@_cast_blocks_op.register_fake
+def _(
+    x: Tensor, record: Tensor | None, block: int, power_of_2: bool, transpose: bool, dtype: torch.dtype,
+    fp8_max: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    *lead, m, k = x.shape
+    batch = 1
+    for d in lead:
+        batch *= d
+    mt, kt = -(-m // block), -(-k // block)
+    scale = x.new_empty((batch, mt, kt), dtype=torch.float32)
+    t_shape = (k, m) if transpose else (0,)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(t_shape, dtype=dtype), scale, torch.empty_like(scale)
+
+
+#: The ops' overloads, looked up once here: looking one up for the first time while the compiler
+#: traces (after another was looked up) fails in torch 2.13's tracer.
+_OPS = (
+    torch.ops.scalestate_cuda.cast_tensor.default,
+    torch.ops.scalestate_cuda.cast_lastdim.default,
+    torch.ops.scalestate_cuda.cast_blocks.default,
+)
 
 
 def update(
