@@ -126,12 +126,13 @@ class TestRegistry:
         assert m.backend.name == "emulation" and "backend='emulation'" in repr(m)
 
     def test_auto_skips_a_broken_backend(self, caplog, register):
-        """A registered backend whose factory fails does not stop 'auto' from trying the next."""
+        """A registered backend whose factory fails does not stop 'auto' from trying the next
+        (here the built-in cuda backend, replaced by one that cannot load)."""
 
         def broken():
             raise ImportError("libfp8kernels.so: cannot open shared object file")
 
-        register("cuda", broken)
+        register("cuda", broken, replace=True)
         with caplog.at_level(logging.INFO, logger="scalestate"):
             backend = resolve_backend("auto", torch.device("cuda"))
         assert backend.name in ("scaled_mm", "emulation")

@@ -23,10 +23,13 @@ GPU_BACKENDS = ["emulation", pytest.param("scaled_mm", marks=needs_sm89)]
 
 class TestBackendsOnCuda:
     @needs_sm89
-    def test_auto_picks_scaled_mm(self):
-        """On an sm89+ GPU, 'auto' picks scaled_mm (no custom-kernel backend registered)."""
+    def test_auto_picks_the_kernels(self):
+        """On an sm89+ GPU, 'auto' picks the cuda backend (Triton's kernels) when Triton imports,
+        else scaled_mm."""
+        import importlib.util
+
         m = ss.ScalingStateManager(ss.DelayedScaling(), backend="auto", device="cuda")
-        assert m.backend.name == "scaled_mm"
+        assert m.backend.name == ("cuda" if importlib.util.find_spec("triton") else "scaled_mm")
 
     @pytest.mark.parametrize("backend", GPU_BACKENDS)
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
