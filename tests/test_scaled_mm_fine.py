@@ -495,10 +495,13 @@ class TestManagers:
         """'auto' passes over a backend that does not run the recipe on the device, and says why.
 
         'auto' on CPU asks only the emulation backend, so the test asks it for a CUDA device, whose
-        order is cuda, scaled_mm, emulation: 'cuda' is scaled_mm answering as on this CPU, the real
+        order is cuda, scaled_mm, emulation: 'cuda' is replaced by scaled_mm answering as on this CPU, the real
         scaled_mm is replaced by an unavailable one (so that no GPU changes the answers).
         """
-        with registered_backend("cuda", _ScaledMMOnCPU), registered_backend("scaled_mm", _Unavailable, replace=True):
+        with (
+            registered_backend("cuda", _ScaledMMOnCPU, replace=True),
+            registered_backend("scaled_mm", _Unavailable, replace=True),
+        ):
             with caplog.at_level(logging.INFO, logger="scalestate"):
                 assert resolve_backend("auto", CUDA, recipe=ss.BlockScaling()).name == "emulation"
             assert "backend='auto' chose 'emulation'" in caplog.text
@@ -508,7 +511,7 @@ class TestManagers:
     def test_auto_error_names_the_recipe(self):
         """When no backend runs the recipe, the error names the recipe and each backend's reason."""
         with (
-            registered_backend("cuda", _ScaledMMOnCPU),
+            registered_backend("cuda", _ScaledMMOnCPU, replace=True),
             registered_backend("scaled_mm", _Unavailable, replace=True),
             registered_backend("emulation", _ScaledMMOnCPU, replace=True),
             pytest.raises(BackendUnavailableError) as info,

@@ -23,7 +23,7 @@ from scalestate.granularity import GranularityKind
 from scalestate.math import ScaleRule
 from scalestate.quantized import Orientation, Quantized
 
-__all__ = ["INTERPRETED", "blocks_cast", "cast", "lastdim_cast", "tensor_cast", "update"]
+__all__ = ["INTERPRETED", "block_warps", "blocks_cast", "cast", "lastdim_cast", "tensor_cast", "update"]
 
 #: Whether the kernels were imported under Triton's interpreter (``TRITON_INTERPRET=1``): they then
 #: run on CPU tensors, for testing. Decided when this module is first imported, as Triton decides.
@@ -224,6 +224,13 @@ def _cast_blocks(request: CastRequest, block: int, power_of_2: bool) -> Quantize
     return Quantized.of(rows, Orientation(data_t, scale.t(), scale_inv.t(), (block, block)))
 
 
+def block_warps(elements: int) -> int:
+    """Warps of a block-cast program: 8 from 16,384 elements (one 128 x 128 block). With 4, the
+    reference rounding and the transposed store need more than 255 registers per thread on sm_89
+    (``tests/test_cuda_ptx.py`` checks that no variant spills)."""
+    return 8 if elements >= 1 << 14 else 4
+
+
 def blocks_cast(
     x: Tensor, record: Tensor | None, block: int, power_of_2: bool, transpose: bool, dtype: torch.dtype,
     fp8_max: float,
@@ -249,7 +256,7 @@ def blocks_cast(
             record.view(torch.int32) if record is not None else scale, m, k, src.stride(0), src.stride(1),
             src.stride(2), mt, kt, IN_KIND=in_kind, RECORD=record is not None, TRANSPOSE=transpose,
             POW2=power_of_2, FP8_MAX=fp8_max, MAX_BITS=max_bits, MBITS=mbits, BIAS=bias, HW=_hardware(), B=block,
-            RB=rb, CB=cb,
+            RB=rb, CB=cb, num_warps=block_warps(block * block * rb * cb),
         )
     return data, data_t, scale, scale_inv
 
