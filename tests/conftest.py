@@ -14,21 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import scalestate as ss
-from helpers import backend_for
+from helpers import RECIPES, backend_for
 from scalestate.backends import Backend
 
-RECIPES = {
-    "delayed": ss.DelayedScaling(history_len=4),
-    "current": ss.CurrentScaling(),
-    "rowwise": ss.RowwiseScaling(),
-    # 8-element tiles and 8 x 8 weight blocks, not the default 128: the tests' layers are
-    # DIM = 32 wide (64 and 128 inside the MLPs), so each row holds 4 or more tiles and each
-    # weight 16 or more blocks, and the scales really differ within a tensor (with 128 a
-    # row would be one tile, i.e. row-wise again, and a weight one block, i.e. per tensor).
-    "block": ss.BlockScaling(block=8),
-    # MX blocks are fixed at 32 elements: one per DIM-wide row, 2 or 4 per MLP row.
-    "mxfp8": ss.MXFP8Scaling(),
-}
 CPU_BACKENDS = ("emulation", "scaled_mm")
 #: Per-tensor recipes run on every CPU backend everywhere. The slowest parity files (those that
 #: set ``FINE_RECIPES_ON_ONE_BACKEND = True``) run each fine-grained recipe on one backend only,

@@ -324,3 +324,67 @@ def _series(rec: Record) -> dict[str, list[Any]]:
 def assert_bitwise(a: Record, b: Record) -> None:
     """Every recorded tensor of two runs is ``torch.equal``, and every series is as long in both."""
     assert_same(_series(a), _series(b), name="run")
+
+
+# ---------------------------------------------------------------- the cuda backend's comparisons
+#: The recipes of the parity suite, one of each kind of scaling.
+RECIPES = {
+    "delayed": ss.DelayedScaling(history_len=4),
+    "current": ss.CurrentScaling(),
+    "rowwise": ss.RowwiseScaling(),
+    # 8-element tiles and 8 x 8 weight blocks, not the default 128: the tests' layers are
+    # DIM = 32 wide (64 and 128 inside the MLPs), so each row holds 4 or more tiles and each
+    # weight 16 or more blocks, and the scales really differ within a tensor (with 128 a
+    # row would be one tile, i.e. row-wise again, and a weight one block, i.e. per tensor).
+    "block": ss.BlockScaling(block=8),
+    # MX blocks are fixed at 32 elements: one per DIM-wide row, 2 or 4 per MLP row.
+    "mxfp8": ss.MXFP8Scaling(),
+}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Per FP8 format, the smallest NaN code without the sign bit: E4M3 has one (S.1111.111), E5M2 three (S.11111.xx).
+_NAN_MIN = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7D}
+
+
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """Bitwise, shapes and dtypes equal, every NaN encoding counted as one value (torch's CPU
+    conversion and NVIDIA's give a negative NaN different FP8 bytes)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype in _FP8:
+        ca, cb = a.view(torch.uint8), b.view(torch.uint8)
+        na, nb = (ca.to(torch.int32) & 0x7F) >= _NAN_MIN[a.dtype], (cb.to(torch.int32) & 0x7F) >= _NAN_MIN[a.dtype]
+        return torch.equal(na, nb) and torch.equal(ca[~na], cb[~nb])
+    if a.dtype == torch.float8_e8m0fnu:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if a.is_floating_point():
+        na, nb = torch.isnan(a), torch.isnan(b)
+        return torch.equal(na, nb) and torch.equal(a[~na], b[~nb])
+    return torch.equal(a, b)
+
+
+def assert_same_quantized(got: ss.Quantized, want: ss.Quantized, what: str = "") -> None:
+    """Every tensor of two casts' results :func:`same_bits`, in the same layout."""
+    got_t, got_layout = got.flatten()
+    want_t, want_layout = want.flatten()
+    assert got_layout == want_layout, what
+    for i, (g, w) in enumerate(zip(got_t, want_t, strict=True)):
+        assert g.device == w.device, f"{what}: tensor {i} is on {g.device}, not {w.device}"
+        assert same_bits(g, w), f"{what}: tensor {i} of the Quantized differs: {g} vs {w}"
+
+
+def random_step_state(n: int, history_len: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(history, step_amax, scales, fp8_max, counts)`` of ``n`` slots for a step update: random
+    histories (every 7th all zero), step amaxes with zeros, NaN, infinities and subnormals, both
+    formats' maxima, random non-finite counts."""
+    gen = torch.Generator().manual_seed(history_len)
+    history = (torch.rand(n, history_len, generator=gen) * 10) ** 8
+    history[::7] = 0.0
+    step = (torch.rand(n, generator=gen) * 10) ** 6
+    step[::5] = 0.0
+    step[1::11] = float("nan")
+    step[2::13] = float("inf")
+    step[3::17] = 1e-40
+    scales = torch.rand(n, generator=gen) + 0.5
+    fp8_max = torch.where(torch.arange(n) % 3 == 0, 57344.0, 448.0)
+    counts = torch.randint(0, 5, (n,), generator=gen)
+    return history, step, scales, fp8_max, counts

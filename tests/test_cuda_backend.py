@@ -23,11 +23,10 @@ import pytest
 import torch
 
 import scalestate as ss
-from helpers import assert_bitwise, train
+from helpers import RECIPES, assert_bitwise, assert_same_quantized, random_step_state, same_bits, train
 from scalestate.backends import CastRequest, CastSpec, StepUpdate, get_backend
 from scalestate.granularity import Granularity, GranularityKind
 from scalestate.math import ScaleRule
-from scalestate.quantized import Quantized
 
 pytest.importorskip("triton", reason="the cuda backend's kernels need Triton (the test extra installs it)")
 if torch.cuda.is_available():
@@ -55,29 +54,6 @@ def cuda():
 @pytest.fixture(scope="module")
 def emulation():
     return get_backend("emulation")
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise, NaN encodings as one value, shapes equal."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype in (E4M3, E5M2):
-        na, nb = torch.isnan(a.float()), torch.isnan(b.float())
-        return torch.equal(na, nb) and torch.equal(a.view(torch.uint8)[~na], b.view(torch.uint8)[~nb])
-    if a.dtype == torch.float8_e8m0fnu:
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    if a.is_floating_point():
-        na, nb = torch.isnan(a), torch.isnan(b)
-        return torch.equal(na, nb) and torch.equal(a[~na], b[~nb])
-    return torch.equal(a, b)
-
-
-def _assert_same_quantized(got: Quantized, want: Quantized) -> None:
-    got_t, got_layout = got.flatten()
-    want_t, want_layout = want.flatten()
-    assert got_layout == want_layout
-    for i, (g, w) in enumerate(zip(got_t, want_t, strict=True)):
-        assert _same(g, w), f"tensor {i} of the Quantized differs: {g} vs {w}"
 
 
 def _special(x: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
@@ -131,8 +107,8 @@ def test_cast_matches_emulation(cuda, emulation, granularity, fmt, dtype):
                     q = backend.cast(CastRequest(v, spec, torch.tensor(3.25), jit, record, transpose))
                     outs.append((q, record))
                 (got, got_rec), (want, want_rec) = outs
-                _assert_same_quantized(got, want)
-                assert (got_rec is None and want_rec is None) or _same(got_rec, want_rec)
+                assert_same_quantized(got, want)
+                assert (got_rec is None and want_rec is None) or same_bits(got_rec, want_rec)
                 checked += 1
     assert checked >= 20
 
@@ -154,8 +130,8 @@ def test_per_tensor_scale_rules(cuda, emulation, rule, jit):
         got_rec, want_rec = torch.tensor(0.0), torch.tensor(0.0)
         got = cuda.cast(CastRequest(x, spec, torch.tensor(0.75), flag, got_rec, True))
         want = emulation.cast(CastRequest(x, spec, torch.tensor(0.75), flag, want_rec, True))
-        _assert_same_quantized(got, want)
-        assert _same(got_rec, want_rec)
+        assert_same_quantized(got, want)
+        assert same_bits(got_rec, want_rec)
 
 
 def test_rounding_over_bit_patterns(cuda, emulation):
@@ -172,7 +148,7 @@ def test_rounding_over_bit_patterns(cuda, emulation):
         spec = CastSpec(fmt, MAX[fmt], ScaleRule(), None)
         got = cuda.cast(CastRequest(x, spec, torch.tensor(1.0), False, None, False))
         want = emulation.cast(CastRequest(x, spec, torch.tensor(1.0), False, None, False))
-        _assert_same_quantized(got, want)
+        assert_same_quantized(got, want)
 
 
 @pytest.mark.parametrize("policy", ["skip", "fallback", "no_count"])
@@ -187,18 +163,8 @@ def test_step_update_matches_emulation(cuda, emulation, policy, rule, history_le
     """The one-launch step update: counts, the fallback policy's forgetting, the roll, the history's
     amax, the new scales and the cleared accumulators, over random histories and step amaxes with
     zeros, NaN and infinities, for 300 slots of both formats."""
-    gen = torch.Generator().manual_seed(history_len)
     n = 300
-    history = (torch.rand(n, history_len, generator=gen) * 10) ** 8
-    history[::7] = 0.0
-    step = (torch.rand(n, generator=gen) * 10) ** 6
-    step[::5] = 0.0
-    step[1::11] = float("nan")
-    step[2::13] = float("inf")
-    step[3::17] = 1e-40
-    scales = torch.rand(n, generator=gen) + 0.5
-    fp8_max = torch.where(torch.arange(n) % 3 == 0, 57344.0, 448.0)
-    counts = torch.randint(0, 5, (n,), generator=gen)
+    history, step, scales, fp8_max, counts = random_step_state(n, history_len)
     states = []
     for backend in (cuda, emulation):
         h, s, a, c = history.clone(), scales.clone(), step.clone(), counts.clone()
@@ -207,7 +173,7 @@ def test_step_update_matches_emulation(cuda, emulation, policy, rule, history_le
         assert (h.data_ptr(), s.data_ptr(), a.data_ptr()) == ptrs
         states.append((h, s, a, c))
     for got, want in zip(*states, strict=True):
-        assert _same(got, want)
+        assert same_bits(got, want)
     assert not torch.equal(states[0][0], history) and torch.equal(states[0][2], torch.zeros(n))
 
 
@@ -216,15 +182,6 @@ def test_step_update_of_no_slots(cuda):
     h, s, a = torch.zeros(0, 4), torch.ones(0), torch.zeros(0)
     cuda.update(StepUpdate(h, s, a, torch.zeros(0), ScaleRule()))
     assert h.shape == (0, 4)
-
-
-RECIPES = {
-    "delayed": ss.DelayedScaling(history_len=4),
-    "current": ss.CurrentScaling(),
-    "rowwise": ss.RowwiseScaling(),
-    "block": ss.BlockScaling(block=8),
-    "mxfp8": ss.MXFP8Scaling(),
-}
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -265,7 +222,7 @@ def test_resume_is_emulation_bitwise(tmp_path, recipe):
                 for key in m.handles:
                     other.register(key)
                 other.load_state_dict(torch.load(path, weights_only=True))
-                assert _same(other.state_dict()["scale"], m.state_dict()["scale"])
+                assert same_bits(other.state_dict()["scale"], m.state_dict()["scale"])
             x = torch.randn(4, 32, generator=gen) * (step + 1)
             with m.forward():
                 loss = model(x).square().mean()
@@ -274,7 +231,7 @@ def test_resume_is_emulation_bitwise(tmp_path, recipe):
             m.step()
         runs[name] = m.state_dict()
     for key in ("amax_history", "scale", "step_amax"):
-        assert _same(runs["cuda"][key], runs["emulation"][key]), key
+        assert same_bits(runs["cuda"][key], runs["emulation"][key]), key
 
 
 def test_available_names_the_interpreter(cuda):
@@ -329,7 +286,7 @@ def test_empty_and_unsupported_tiles_use_the_reference(cuda, emulation):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             got = cuda.cast(CastRequest(x, spec, torch.tensor(2.0), True, None, False))
-        _assert_same_quantized(got, emulation.cast(CastRequest(x, spec, torch.tensor(2.0), True, None, False)))
+        assert_same_quantized(got, emulation.cast(CastRequest(x, spec, torch.tensor(2.0), True, None, False)))
 
 
 @pytest.mark.parametrize(

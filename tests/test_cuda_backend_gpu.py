@@ -34,11 +34,11 @@ import triton  # the test extra installs it
 import triton.language as tl
 
 import scalestate as ss
+from helpers import assert_same_quantized, random_step_state, same_bits
 from scalestate.backends import CastRequest, CastSpec, StepUpdate, get_backend
 from scalestate.backends.cuda import kernels
 from scalestate.granularity import Granularity, GranularityKind
 from scalestate.math import ScaleRule
-from scalestate.quantized import Quantized
 
 
 def _why_skipped() -> str | None:
@@ -94,30 +94,6 @@ def emulation():
 def _nan_code(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Where FP8 bytes encode a NaN: E4M3 ``S.1111.111``; E5M2 ``S.11111.xx`` with ``xx`` non-zero."""
     return (codes.to(torch.int32) & 0x7F) >= NAN_MIN[dtype]
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise, every NaN encoding as one value, shapes and dtypes equal."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype in (E4M3, E5M2):
-        na, nb = _nan_code(a.view(torch.uint8), a.dtype), _nan_code(b.view(torch.uint8), b.dtype)
-        return torch.equal(na, nb) and torch.equal(a.view(torch.uint8)[~na], b.view(torch.uint8)[~nb])
-    if a.dtype == torch.float8_e8m0fnu:
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    if a.is_floating_point():
-        na, nb = torch.isnan(a), torch.isnan(b)
-        return torch.equal(na, nb) and torch.equal(a[~na], b[~nb])
-    return torch.equal(a, b)
-
-
-def _assert_same_quantized(got: Quantized, want: Quantized, what: str) -> None:
-    got_t, got_layout = got.flatten()
-    want_t, want_layout = want.flatten()
-    assert got_layout == want_layout, what
-    for i, (g, w) in enumerate(zip(got_t, want_t, strict=True)):
-        assert g.device.type == CUDA.type, f"{what}: tensor {i} is on {g.device}"
-        assert _same(g, w), f"{what}: tensor {i} of the Quantized differs"
 
 
 # ------------------------------------------------------------------ (a) the hardware conversion, all inputs
@@ -231,8 +207,8 @@ def test_cast_matches_emulation(cuda, emulation, granularity, fmt, dtype):
                 (got, got_rec), (want, want_rec) = outs
                 what = (f"shape {tuple(v.shape)} stride {v.stride()} special={special} jit={jit} "
                         f"recorded={recorded} transpose={transpose}")
-                _assert_same_quantized(got, want, what)
-                assert (got_rec is None and want_rec is None) or _same(got_rec, want_rec), f"{what}: record"
+                assert_same_quantized(got, want, what)
+                assert (got_rec is None and want_rec is None) or same_bits(got_rec, want_rec), f"{what}: record"
                 checked += 1
     assert checked >= 24
 
@@ -250,8 +226,8 @@ def test_per_tensor_scale_rules_match_emulation(cuda, emulation, rule):
         got_rec, want_rec = torch.zeros((), device=CUDA), torch.zeros((), device=CUDA)
         got = cuda.cast(CastRequest(x, spec, torch.tensor(0.75, device=CUDA), True, got_rec, True))
         want = emulation.cast(CastRequest(x, spec, torch.tensor(0.75, device=CUDA), True, want_rec, True))
-        _assert_same_quantized(got, want, f"amax {amax}")
-        assert _same(got_rec, want_rec)
+        assert_same_quantized(got, want, f"amax {amax}")
+        assert same_bits(got_rec, want_rec)
 
 
 @pytest.mark.parametrize("policy", ["skip", "fallback", "no_count"])
@@ -265,17 +241,7 @@ def test_step_update_matches_emulation(cuda, emulation, policy, rule, n, history
     """The one-launch step update on the GPU, in place: counts, the fallback policy's forgetting, the
     roll, the history's amax, the new scales and the cleared accumulators equal the emulation's, over
     random histories and step amaxes with zeros, NaN, infinities and subnormals, both formats."""
-    gen = torch.Generator().manual_seed(history_len)
-    history = (torch.rand(n, history_len, generator=gen) * 10) ** 8
-    history[::7] = 0.0
-    step = (torch.rand(n, generator=gen) * 10) ** 6
-    step[::5] = 0.0
-    step[1::11] = float("nan")
-    step[2::13] = float("inf")
-    step[3::17] = 1e-40
-    scales = torch.rand(n, generator=gen) + 0.5
-    fp8_max = torch.where(torch.arange(n) % 3 == 0, 57344.0, 448.0)
-    counts = torch.randint(0, 5, (n,), generator=gen)
+    history, step, scales, fp8_max, counts = random_step_state(n, history_len)
     states = []
     for backend in (cuda, emulation):
         h, s, a, c = (t.to(CUDA) for t in (history, scales, step, counts))
@@ -285,7 +251,7 @@ def test_step_update_matches_emulation(cuda, emulation, policy, rule, n, history
         assert (h.data_ptr(), s.data_ptr(), a.data_ptr(), c.data_ptr()) == ptrs
         states.append((h, s, a, c))
     for name, got, want in zip(("history", "scales", "step_amax", "counts"), *states, strict=True):
-        assert _same(got, want), name
+        assert same_bits(got, want), name
     assert torch.equal(states[0][2], torch.zeros(n, device=CUDA))
 
 
@@ -403,7 +369,7 @@ def test_step_in_cuda_graph(recipe, policy):
         graph.replay()
         torch.cuda.synchronize()
         for key, want in eager.buffers().items():
-            assert _same(graphed.buffers()[key], want), f"step {step}: {key}"
+            assert same_bits(graphed.buffers()[key], want), f"step {step}: {key}"
         assert graphed.nonfinite_counts() == eager.nonfinite_counts(), f"step {step}"
     assert any(n for roles in eager.nonfinite_counts().values() for n in roles.values())
 
@@ -470,4 +436,4 @@ def test_training_step_in_cuda_graph(recipe):
         got = snapshot(model, m, static_y, static_loss)
         assert got.keys() == want[step].keys()
         for key, value in want[step].items():
-            assert _same(got[key], value), f"step {step}: {key}"
+            assert same_bits(got[key], value), f"step {step}: {key}"
