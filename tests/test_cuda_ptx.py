@@ -121,12 +121,13 @@ def _tensor_cast(fmt: str, hw: bool, jit: int, in_kind: int = 1, bm: int = 32, b
     f = FORMATS[fmt]
     args = dict(
         x_ptr=Ptr(IN_POINTER[in_kind]), out_ptr=Ptr("*u8"), out_t_ptr=Ptr("*u8"), scale_ptr=Ptr("*fp32"),
-        # mode 2 reads a device bool; otherwise launch.py passes the scale tensor in its place
-        jit_ptr=Ptr("*u8" if jit == 2 else "*fp32"),
-        # modes 1 and 2 read the int32 scratch amax; mode 0 gets the scale tensor in its place
+        # modes 2 and 3 (the device flag's two launches) get the device bool; otherwise launch.py
+        # passes the scale tensor in its place
+        jit_ptr=Ptr("*u8" if jit in (2, 3) else "*fp32"),
+        # modes 1, 2 and 3 use the int32 scratch amax; mode 0 gets the scale tensor in its place
         amax_ptr=Ptr("*i32" if jit else "*fp32"), record_ptr=Ptr("*i32"), scale_out_ptr=Ptr("*fp32"),
         scale_inv_out_ptr=Ptr("*fp32"), M=SIZE, N=SIZE, stride_m=SIZE, stride_n=1,
-        IN_KIND=in_kind, JIT=jit, RECORD=jit == 0, TRANSPOSE=transpose, FP8_MAX=f["FP8_MAX"],
+        IN_KIND=in_kind, JIT=jit, RECORD=jit in (0, 3), TRANSPOSE=transpose, FP8_MAX=f["FP8_MAX"],
         MAX_BITS=f["MAX_BITS"], MBITS=f["MBITS"], BIAS=f["BIAS"], MARGIN_DIV=1.0 if jit != 1 else 4.0,
         POW2=False, FLOOR=0.0 if jit != 1 else 1e-12, HW=hw, BM=bm, BN=bn,
     )
@@ -188,7 +189,7 @@ def _variants() -> list[Variant]:
         for hw in (True, False):
             v += [_tensor_cast(fmt, hw, 0), _lastdim(fmt, hw, "mx"), _block(fmt, hw)]
     for hw in (True, False):
-        v += [_tensor_cast("e4m3", hw, 1), _tensor_cast("e4m3", hw, 2)]
+        v += [_tensor_cast("e4m3", hw, 1), _tensor_cast("e4m3", hw, 2), _tensor_cast("e4m3", hw, 3)]
         v += [_lastdim("e4m3", hw, "tile"), _lastdim("e4m3", hw, "row")]
     v += [
         # what launch.py picks for 8192 columns (one row of 4,096 a program), from float32

@@ -6,13 +6,17 @@ torch bring it; else ``pip install "scalestate[cuda]"``).
 
 What each kernel fuses, and in how many launches (whatever the tensor or slot count):
 
-* **per-tensor cast** (delayed scaling): one launch and one read of ``x``:
+* **per-tensor cast** with a given scale: one launch and one read of ``x``:
   scale, saturate, round to nearest even into E4M3 or E5M2, write the
   row-major data and, when asked, the transposed copy, max the amax into
   the slot's accumulator when the cast is recorded, write ``scale`` and
-  ``scale_inv``. Just in time (current scaling, or a slot without history):
-  the amax must be known before the first element is cast, so a zeroed
-  scratch amax, one amax launch and one cast launch (two reads of ``x``).
+  ``scale_inv``. Just in time (current scaling): the amax must be known
+  before the first element is cast, so a zeroed scratch amax, one amax
+  launch and one cast launch (two reads of ``x``). Delayed scaling, whose
+  "no history yet" flag lives on the device: a zeroed scratch amax, the cast
+  with the slot's scale (which also finds the amax), and a second cast that
+  exits at once where the flag is false: one read of ``x`` once a slot has
+  history, no host sync.
 * **row-wise, 1 x 128 tiles, MX (1 x 32, E8M0 exponents from the bits)**: one
   launch per orientation; the columnwise orientation reads ``x`` again
   through the transposed view.

@@ -151,27 +151,33 @@ def tensor_cast_kernel(
 ):
     """Per-tensor cast of a 2-d view: scale, saturate, round; the transposed copy and the record too.
 
-    ``JIT`` 0: cast with ``scale_ptr``. 1: with the scale of the amax in ``amax_ptr`` (found by
-    :func:`amax_kernel` first). 2: per ``jit_ptr``, a bool on the device. With ``JIT`` 0 the amax
-    is recorded here (one pass); otherwise :func:`amax_kernel` recorded it.
+    ``JIT`` 0: cast with ``scale_ptr``, recording the amax in the same pass (one read). 1: with
+    the scale of the amax in ``amax_ptr`` (found and recorded by :func:`amax_kernel` first).
+    3 then 2, per ``jit_ptr`` (a bool on the device, as delayed scaling passes it): 3 casts with
+    ``scale_ptr`` and also maxes the amax into ``amax_ptr``; 2 then exits at once where the flag
+    is false and otherwise casts again with the scale of that amax. So a slot with history costs
+    one read of ``x`` and a launch that reads one byte; one without, two reads.
     """
     pm = tl.program_id(0)
     pn = tl.program_id(1)
+    if JIT == 2:
+        if tl.load(jit_ptr) == 0:
+            return
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = load_f32(x_ptr, rm[:, None] * stride_m + rn[None, :] * stride_n, mask, IN_KIND)
     previous = tl.load(scale_ptr)
-    if JIT == 0:
+    if JIT == 0 or JIT == 3:
         s = previous
-        if RECORD:
-            tl.atomic_max(record_ptr, tl.max(tl.max(magnitude(x), axis=1), axis=0))
+        if RECORD or JIT == 3:
+            a = tl.max(tl.max(magnitude(x), axis=1), axis=0)
+            if RECORD:
+                tl.atomic_max(record_ptr, a)
+            if JIT == 3:
+                tl.atomic_max(amax_ptr, a)
     else:
-        own = scale_of(tl.load(amax_ptr), previous, FP8_MAX, MARGIN_DIV, POW2, FLOOR)
-        if JIT == 1:
-            s = own
-        else:
-            s = tl.where(tl.load(jit_ptr) != 0, own, previous)
+        s = scale_of(tl.load(amax_ptr), previous, FP8_MAX, MARGIN_DIV, POW2, FLOOR)
     code = to_fp8_code(x * s, MAX_BITS, MBITS, BIAS, HW).to(tl.uint8)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], code, mask=mask)
     if TRANSPOSE:

@@ -134,8 +134,11 @@ def tensor_cast(
     """Per-tensor cast: ``(data, data_t, scale, scale_inv)`` (``data_t`` empty without ``transpose``).
 
     ``jit_mode`` 0: with ``scale_in``, one launch (the amax recorded in the same pass). 1 (just in
-    time) and 2 (per the device flag ``jit``): a zeroed scratch amax, one amax launch (which
-    records), one cast launch: two reads of ``x``, since the scale needs the amax first.
+    time): a zeroed scratch amax, one amax launch (which records), one cast launch: two reads of
+    ``x``, since the scale needs the amax first. 2 (per the device flag ``jit``, as delayed scaling
+    passes it): a zeroed scratch amax, a cast with ``scale_in`` that also finds the amax (and
+    records), and a second cast launch that exits at once where the flag is false and casts again
+    with the tensor's own scale where it is true: one read of ``x`` for a slot with history.
     """
     x2 = _rows(x)
     m, n = x2.shape
@@ -149,20 +152,28 @@ def tensor_cast(
     jit_flag = jit.view(torch.uint8) if jit is not None else scale
     bm, bn = _blocks(m, n)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    amax = scale
-    with _quiet():
-        if jit_mode:
-            amax = torch.zeros((), dtype=torch.int32, device=dev)
-            K.amax_kernel[grid](src, amax, record_bits, m, n, src.stride(0), src.stride(1),
-                                IN_KIND=kind, RECORD=record is not None, BM=bm, BN=bn)
-        max_bits, mbits, bias = _FORMAT[dtype]
+    max_bits, mbits, bias = _FORMAT[dtype]
+    amax = torch.zeros((), dtype=torch.int32, device=dev) if jit_mode else scale
+
+    def launch(mode: int, recorded: bool) -> None:
         K.tensor_cast_kernel[grid](
             src, data.view(torch.uint8), data_t.view(torch.uint8), scale_in, jit_flag, amax, record_bits, scale,
             scale_inv, m, n, src.stride(0), src.stride(1),
-            IN_KIND=kind, JIT=jit_mode, RECORD=record is not None and jit_mode == 0, TRANSPOSE=transpose,
+            IN_KIND=kind, JIT=mode, RECORD=recorded, TRANSPOSE=transpose,
             FP8_MAX=fp8_max, MAX_BITS=max_bits, MBITS=mbits, BIAS=bias, MARGIN_DIV=float(2.0**margin),
             POW2=power_of_2, FLOOR=floor, HW=_hardware(), BM=bm, BN=bn,
         )
+
+    with _quiet():
+        if jit_mode == 1:
+            K.amax_kernel[grid](src, amax, record_bits, m, n, src.stride(0), src.stride(1),
+                                IN_KIND=kind, RECORD=record is not None, BM=bm, BN=bn)
+            launch(1, False)
+        elif jit_mode == 2:
+            launch(3, record is not None)
+            launch(2, False)
+        else:
+            launch(0, record is not None)
     return data, data_t, scale, scale_inv
 
 
