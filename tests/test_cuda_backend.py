@@ -15,9 +15,11 @@ NaN to one value the same way.
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,15 +247,15 @@ def test_available_names_the_interpreter(cuda):
     assert "interpreter" in repr(cuda)
 
 
-def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    import os
+def _run(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter without TRITON_INTERPRET, run outside the source tree (whose
+    ``scalestate/`` folder, without ``backends/``, would shadow the installed package)."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, cwd=cwd,
+                          timeout=120)
 
-    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    environ.update(env)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, timeout=120)
 
-
-def test_available_says_why_not():
+def test_available_says_why_not(tmp_path):
     """Without the interpreter: no on CPU (use emulation, or set TRITON_INTERPRET=1 for tests), no on a
     machine without a CUDA GPU, and without Triton a reason naming the extra to install; a manager
     asking for it fails at once with that reason."""
@@ -268,13 +270,13 @@ def test_available_says_why_not():
         "except ss.errors.BackendUnavailableError as e:\n"
         "    print('refused:', e)\n"
     )
-    result = _run(code)
+    result = _run(code, tmp_path)
     assert result.returncode == 0, result.stderr
     cpu, gpu, refused = result.stdout.strip().splitlines()
     assert cpu.startswith("(False") and "TRITON_INTERPRET=1" in cpu and "emulation" in cpu
     assert gpu.startswith("(False") and ("CUDA" in gpu or "GPU" in gpu)
     assert refused.startswith("refused:") and "TRITON_INTERPRET" in refused
-    missing = _run("import sys; sys.modules['triton'] = None\n" + code)
+    missing = _run("import sys; sys.modules['triton'] = None\n" + code, tmp_path)
     assert missing.returncode == 0, missing.stderr
     assert 'pip install "scalestate[cuda]"' in missing.stdout.splitlines()[0]
 
