@@ -231,15 +231,20 @@ def eager_ms(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10, repeats
     return _events_ms(fn, iters, repeats)
 
 
-def graph_ms(fn: Callable[[], Any], *, calls: int = 20, repeats: int = 5) -> float:
-    """Milliseconds per call of ``fn``, from a CUDA graph of ``calls`` back-to-back calls (warmed up on a
-    side stream first), so that the GPU is measured without the host's launch overhead."""
+def warm_on_side_stream(fn: Callable[[], Any], times: int = 3) -> None:
+    """Run ``fn`` a few times on a side stream, as CUDA graph capture wants before it captures."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(times):
             fn()
     torch.cuda.current_stream().wait_stream(side)
+
+
+def graph_ms(fn: Callable[[], Any], *, calls: int = 20, repeats: int = 5) -> float:
+    """Milliseconds per call of ``fn``, from a CUDA graph of ``calls`` back-to-back calls (warmed up on a
+    side stream first), so that the GPU is measured without the host's launch overhead."""
+    warm_on_side_stream(fn)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -501,12 +506,7 @@ def bench_gpt(res: Results, layers: int, width: int, batch: int, seq: int) -> No
         if go:
             model, manager, opt = build()
             step = step_of(model, manager, opt)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
+            warm_on_side_stream(step)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()
