@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 
 import torch
 import triton
@@ -111,7 +112,8 @@ def _quiet() -> contextlib.AbstractContextManager[object]:
 
 def _floor(rule: ScaleRule) -> float:
     """The amax floor as the float32 nearest to it (what ``clamp(min=floor)`` on float32 uses)."""
-    return float(torch.tensor(rule.amax_floor, dtype=torch.float32)) if rule.amax_floor else 0.0
+    # struct's "f" rounds to the nearest float32 as torch does, without making a tensor on every cast
+    return struct.unpack("f", struct.pack("f", rule.amax_floor))[0] if rule.amax_floor else 0.0
 
 
 def _cast_tensor(request: CastRequest) -> Quantized:
