@@ -29,10 +29,11 @@ import attrs
 import torch
 from torch import Tensor
 
-from scalestate.granularity import Granularity, granularity_label
+from scalestate.granularity import NVFP4_KINDS, Granularity, granularity_label
 from scalestate.math import ScaleRule
-from scalestate.quantized import Quantized
-from scalestate.recipe import Recipe, Role
+from scalestate.nvfp4 import TENSOR_MAX
+from scalestate.quantized import FP4_DTYPE, Quantized
+from scalestate.recipe import NVFP4Scaling, Recipe, Role, fp8_max
 
 __all__ = [
     "Backend",
@@ -40,6 +41,7 @@ __all__ = [
     "CastSpec",
     "StepUpdate",
     "SupportsRecipe",
+    "cast_spec",
     "granularity_label",
     "recipe_granularities",
 ]
@@ -49,7 +51,7 @@ __all__ = [
 class CastSpec:
     """How one slot casts: target dtype and the rule of just-in-time scales. Fixed per slot."""
 
-    #: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+    #: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (NVFP4: ``torch.float4_e2m1fn_x2``).
     dtype: torch.dtype
     #: Largest finite value of ``dtype`` (448 or 57344).
     fp8_max: float
@@ -57,8 +59,30 @@ class CastSpec:
     rule: ScaleRule = attrs.field(factory=ScaleRule)
     #: ``None``: one scale per tensor. Else the fine-grained cast of the
     #: recipe's role (one scale per row, tile, block or MX block; see
-    #: :mod:`scalestate.finegrained`), always scaled just in time.
+    #: :mod:`scalestate.finegrained`), always scaled just in time; or NVFP4's
+    #: blocks (:mod:`scalestate.nvfp4`), whose per-tensor level follows
+    #: ``scale`` and ``jit`` as a per-tensor cast's scale does.
     granularity: Granularity | None = None
+    #: NVFP4: the columnwise orientation (along tokens) is Hadamard-transformed
+    #: with the request's ``signs``.
+    hadamard: bool = False
+    #: NVFP4: round stochastically with the request's ``sr_key``.
+    stochastic: bool = False
+
+    @property
+    def nvfp4(self) -> bool:
+        """Whether this is an NVFP4 cast (E2M1 data, two levels of scales)."""
+        return self.granularity is not None and self.granularity.kind in NVFP4_KINDS
+
+
+def cast_spec(recipe: Recipe, role: Role) -> CastSpec:
+    """How ``role``'s slots cast under ``recipe`` (NVFP4: ``fp8_max`` is 2688, what ``S_enc`` maps amaxes onto)."""
+    if isinstance(recipe, NVFP4Scaling):
+        return CastSpec(
+            FP4_DTYPE, TENSOR_MAX, recipe.rule, recipe.granularity(role), recipe.hadamard(role), recipe.stochastic(role)
+        )
+    dtype = recipe.format.dtype(role)
+    return CastSpec(dtype, fp8_max(dtype), recipe.rule, recipe.granularity(role))
 
 
 class CastRequest(NamedTuple):
@@ -81,6 +105,12 @@ class CastRequest(NamedTuple):
     other orientation (the quantization of ``x.t()`` along its own rows, with
     scales and a tile of its own). ``record`` takes the max over the whole
     tensor.
+
+    NVFP4 casts (``spec.nvfp4``) are :func:`scalestate.nvfp4.quantize_nvfp4`
+    with the per-tensor scale ``S_enc`` chosen from ``scale`` and ``jit`` as a
+    per-tensor cast's scale is (the just-in-time one is
+    ``scalestate.nvfp4.tensor_scale(amax, 1.0, spec.rule)``), ``signs`` and
+    ``sr_key``; ``record`` takes ``max|x|`` (before any transform).
     """
 
     #: The tensor to cast (any float dtype, any shape; detached). Computed in float32.
@@ -101,6 +131,12 @@ class CastRequest(NamedTuple):
     #: Also produce ``transposed`` (2-d ``x`` only), in the same pass where the backend can:
     #: ``x.t()`` quantized along its rows (for per-tensor scales, ``data.t()`` made contiguous).
     transpose: bool = False
+    #: NVFP4 with ``spec.hadamard``: the 16 float32 signs of the random Hadamard transform
+    #: of the columnwise orientation (the manager's; read them, never write them).
+    signs: Tensor | None = None
+    #: NVFP4 with ``spec.stochastic``: the 0-d int64 key of this cast's random stream
+    #: (:func:`scalestate.nvfp4.random_bits`), fixed by the manager per slot, iteration and cast.
+    sr_key: Tensor | None = None
 
 
 class StepUpdate(NamedTuple):

@@ -16,7 +16,9 @@ from torch import Tensor
 
 from scalestate.backends.base import CastRequest, StepUpdate
 from scalestate.finegrained import quantize as fine_quantize
+from scalestate.granularity import GranularityKind
 from scalestate.math import scale_from_amax, update_scales
+from scalestate.nvfp4 import quantize_nvfp4, tensor_scale
 from scalestate.quantized import Orientation, Quantized
 from scalestate.recipe import Recipe
 from scalestate.sac import hidden_from_sac
@@ -50,6 +52,8 @@ class EmulationBackend:
     def cast(self, request: CastRequest) -> Quantized:
         """The reference cast: amax, scale, saturating round, record, optional transpose."""
         x, spec = request.x, request.spec
+        if spec.nvfp4:
+            return self._cast_nvfp4(request)
         if spec.granularity is not None:
             return self._cast_fine(request)
         xf = x if x.dtype == torch.float32 else x.float()
@@ -73,6 +77,27 @@ class EmulationBackend:
         fq = fine_quantize(request.x, spec.dtype, spec.granularity, columnwise=request.transpose)
         if request.record is not None:
             torch.maximum(request.record, fq.amax, out=request.record)
+        return fq.quantized
+
+    def _cast_nvfp4(self, request: CastRequest) -> Quantized:
+        """An NVFP4 cast: the per-tensor scale chosen as a per-tensor cast's is, then
+        :func:`scalestate.nvfp4.quantize_nvfp4`, then record ``max|x|``."""
+        spec = request.spec
+        assert spec.granularity is not None
+        xf = request.x if request.x.dtype == torch.float32 else request.x.float()
+        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+        if request.jit is False:
+            s_enc = request.scale.clone()
+        else:
+            own = tensor_scale(amax, 1.0, spec.rule)
+            s_enc = own if request.jit is True else torch.where(request.jit, own, request.scale)
+        fq = quantize_nvfp4(
+            xf, s_enc=s_enc, amax=amax, two_d=spec.granularity.kind is GranularityKind.NVFP4_2D,
+            columnwise=request.transpose, signs=request.signs if spec.hadamard else None,
+            sr_key=request.sr_key if spec.stochastic else None,
+        )
+        if request.record is not None:
+            torch.maximum(request.record, amax, out=request.record)
         return fq.quantized
 
     def wants_transposed(self, device: torch.device) -> bool:

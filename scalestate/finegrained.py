@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from scalestate.errors import CastError
-from scalestate.granularity import MX_BLOCK, Granularity, GranularityKind
+from scalestate.granularity import MX_BLOCK, NVFP4_KINDS, Granularity, GranularityKind
 from scalestate.math import ScaleRule, is_usable_amax, scale_from_amax
 from scalestate.quantized import FP8_MAX, Orientation, Quantized
 from scalestate.tiles import (
@@ -91,8 +91,9 @@ __all__ = [
 ]
 
 _MANTISSA_BITS = 0x007FFFFF
-#: Every kind :func:`quantize` dispatches on (their string values compare equal).
-_KINDS = frozenset(GranularityKind)
+#: Every kind :func:`quantize` dispatches on (their string values compare equal); NVFP4 casts are
+#: :func:`scalestate.nvfp4.quantize_nvfp4`.
+_KINDS = frozenset(GranularityKind) - NVFP4_KINDS
 #: The two scale rules of fine-grained casts, made once (``torch.compile`` cannot trace an attrs ``__init__``).
 _RULES = {False: ScaleRule(), True: ScaleRule(power_of_2=True)}
 
@@ -141,8 +142,10 @@ class FineQuantized(Quantized):
 def quantize(x: Tensor, dtype: torch.dtype, granularity: Granularity, *, columnwise: bool = False) -> FineQuantized:
     """The fine-grained cast ``granularity`` names (see :class:`~scalestate.granularity.Granularity`)."""
     kind, block, power_of_2 = granularity
+    if kind in NVFP4_KINDS:
+        raise CastError("NVFP4 casts take per-tensor and per-block scales: use scalestate.nvfp4.quantize_nvfp4")
     if kind not in _KINDS:
-        kinds = ", ".join(f"GranularityKind.{k.name}" for k in GranularityKind)
+        kinds = ", ".join(f"GranularityKind.{k.name}" for k in GranularityKind if k not in NVFP4_KINDS)
         raise CastError(f"unknown granularity kind {kind!r}; expected one of {kinds}")
     if kind == GranularityKind.ROW:
         return quantize_rowwise(x, dtype, power_of_2=power_of_2, columnwise=columnwise)

@@ -19,14 +19,14 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-__all__ = ["MX_BLOCK", "Granularity", "GranularityKind", "granularity_label"]
+__all__ = ["MX_BLOCK", "NVFP4_KINDS", "Granularity", "GranularityKind", "granularity_label"]
 
 #: Elements per scale in MXFP8 (the OCP Microscaling spec's block size).
 MX_BLOCK = 32
 
 
 class GranularityKind(str, enum.Enum):
-    """The fine-grained casts: one scale per row, per tile, per block, or per MX block.
+    """The fine-grained casts: one scale per row, per tile, per block, per MX block, or NVFP4's two levels.
 
     A ``str`` enum: each member equals its value (``GranularityKind.TILE ==
     "tile"``), so code written against the strings of earlier versions keeps
@@ -42,6 +42,12 @@ class GranularityKind(str, enum.Enum):
     BLOCK = "block"
     #: MXFP8: one E8M0 power of two per ``block`` elements of a row (:func:`scalestate.finegrained.quantize_mx`).
     MX = "mx"
+    #: NVFP4: one E4M3 scale per ``1 x 16`` block of a row and a float32 one per tensor
+    #: (:func:`scalestate.nvfp4.quantize_nvfp4`).
+    NVFP4 = "nvfp4"
+    #: NVFP4 with ``16 x 16`` blocks over the last two dimensions (weights: ``w`` and ``w.t()``
+    #: quantize to the same values).
+    NVFP4_2D = "nvfp4_2d"
 
     def __str__(self) -> str:
         return self.value
@@ -68,7 +74,11 @@ _LABELS: dict[GranularityKind, str] = {
     GranularityKind.TILE: "1 x {block} tiles",
     GranularityKind.BLOCK: "{block} x {block} blocks",
     GranularityKind.MX: "E8M0-scaled MX blocks of {block}",
+    GranularityKind.NVFP4: "NVFP4 blocks of 1 x {block}",
+    GranularityKind.NVFP4_2D: "NVFP4 blocks of {block} x {block}",
 }
+#: The NVFP4 kinds (E2M1 data with two levels of scales).
+NVFP4_KINDS = frozenset({GranularityKind.NVFP4, GranularityKind.NVFP4_2D})
 _PER_TENSOR = "a per-tensor scale"
 
 

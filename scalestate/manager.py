@@ -14,7 +14,8 @@ from scalestate._engine.casting import Caster, ShardCast
 from scalestate._engine.control import PhaseControl
 from scalestate._engine.loading import validate
 from scalestate._engine.state import Slot, State
-from scalestate.backends import Backend, CastSpec
+from scalestate.backends import Backend
+from scalestate.backends.base import cast_spec
 from scalestate.diagnostics import ScalingStats, build_stats
 from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
 from scalestate.errors import ArgumentTypeError, PhaseError, SlotError
@@ -23,7 +24,7 @@ from scalestate.nonfinite import NonFinitePolicy, NonFinitePolicyName, parse_pol
 from scalestate.persist import recipe_to_dict, to_state_dict
 from scalestate.phase import Phase
 from scalestate.quantized import Quantized
-from scalestate.recipe import RECIPES, Recipe, Role, fp8_max
+from scalestate.recipe import RECIPES, Recipe, Role
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -74,6 +75,11 @@ class ScalingStateManager(PhaseControl):
             to its elements (clipped at the format's max, flushed to zero), for
             :meth:`stats`. It costs extra passes over every cast tensor (see
             the diagnostics guide for measured costs); no host-device sync.
+        seed: what :class:`NVFP4Scaling`'s random Hadamard signs and
+            stochastic rounding draw from (an int in ``[0, 2**63)``; no draw
+            uses torch's generators). Give every rank of a group the same seed
+            (the default, 0, is): the signs must be equal on all of them. Saved
+            by :meth:`state_dict` and restored by :meth:`load_state_dict`.
 
     .. warning:: ``debug=True`` reads amaxes back to the host on every
        recorded forward cast and every recomputed one, a device sync each.
@@ -108,6 +114,7 @@ class ScalingStateManager(PhaseControl):
         group: GroupSpec = DEFAULT_GROUP,
         on_nonfinite: NonFinitePolicy | NonFinitePolicyName = "skip",
         collect_stats: bool = False,
+        seed: int = 0,
     ) -> None:
         if not isinstance(recipe, RECIPES):
             names = ", ".join(f"ss.{cls.__name__}(...)" for cls in RECIPES)
@@ -115,18 +122,18 @@ class ScalingStateManager(PhaseControl):
         self._on_nonfinite: NonFinitePolicy = parse_policy(on_nonfinite)
         if not isinstance(collect_stats, bool):
             raise ArgumentTypeError(f"collect_stats must be True or False; got {collect_stats!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ArgumentTypeError(f"seed must be an int in [0, 2**63); got {seed!r}")
         self._refused = False
         dev = canonical_device(device) if device is not None else None
         self._recipe: Recipe = recipe
         self._rule = recipe.rule
         self._delayed = recipe.delayed
-        self._specs = {
-            role: CastSpec(
-                recipe.format.dtype(role), fp8_max(recipe.format.dtype(role)), recipe.rule, recipe.granularity(role)
-            )
-            for role in Role
-        }
-        self._state = State(dev or torch.device("cpu"), recipe.history_len, debug=bool(debug), stats=collect_stats)
+        self._specs = {role: cast_spec(recipe, role) for role in Role}
+        self._state = State(
+            dev or torch.device("cpu"), recipe.history_len, debug=bool(debug), stats=collect_stats, seed=seed,
+            draws=any(spec.stochastic for spec in self._specs.values()),
+        )
         self._binding = BackendBinding(backend, self._state, recipe)
         self._handles: dict[str, ScalingHandle] = {}
         self._caster = Caster(self._state, self._binding, delayed=self._delayed)
@@ -140,6 +147,21 @@ class ScalingStateManager(PhaseControl):
     def recipe(self) -> Recipe:
         """The recipe every slot follows."""
         return self._recipe
+
+    @property
+    def seed(self) -> int:
+        """The seed NVFP4's random draws come from (restored by :meth:`load_state_dict`)."""
+        return self._state.random.seed
+
+    def rht_signs(self) -> Tensor:
+        """A copy of the 16 signs (float32 ``+-1``) of NVFP4's random Hadamard transform.
+
+        One set, shared by every slot: the two operands of a weight-gradient
+        product (``x`` of the INPUT slot and ``dy`` of the GRAD_OUTPUT slot)
+        must be transformed alike for the product to be unchanged, and one
+        fixed set serves every layer (see docs/recipes.md).
+        """
+        return self._state.random.signs.clone()
 
     @property
     def backend(self) -> Backend:
@@ -366,5 +388,10 @@ class ScalingStateManager(PhaseControl):
                 "or call discard_step() first to drop what this step recorded"
             )
         loaded = validate(state_dict, st, self._recipe)
-        st.load(loaded.history, loaded.scales, loaded.step_amax, loaded.iteration, loaded.tensors["nonfinite_counts"])
+        st.load(
+            loaded.history, loaded.scales, loaded.step_amax, loaded.iteration, loaded.tensors["nonfinite_counts"],
+            loaded.tensors["sr_ordinal"],
+        )
+        if loaded.seed is not None:
+            st.random.set_seed(loaded.seed, loaded.signs)
         self._refused = False

@@ -1,9 +1,9 @@
 """The manager's ``state_dict``: plain values only, validated strictly before use.
 
-Keys (format version 2), exactly these:
+Keys (format version 3), exactly these:
 
 ``format_version`` (int)
-    2.
+    3.
 ``recipe`` (dict)
     ``kind`` (the recipe's class name, e.g. ``"DelayedScaling"``) and every
     recipe field as a plain value (formats by their string value), except
@@ -24,9 +24,20 @@ Keys (format version 2), exactly these:
 ``nonfinite_counts`` (int64 tensor ``[N]``)
     Steps whose amax was NaN or infinite, per slot (see
     :meth:`~scalestate.ScalingStateManager.nonfinite_counts`).
+``sr_ordinal`` (int64 tensor ``[N]``)
+    Stochastically rounded casts of each slot since the last ``step()``
+    (zeros when saved between steps): with ``iteration`` and ``seed``, what
+    the next draw of each slot is keyed by (NVFP4).
+``seed`` (int)
+    The manager's seed (:attr:`~scalestate.ScalingStateManager.seed`).
+``rht_signs`` (float32 tensor ``[16]``)
+    The signs of NVFP4's random Hadamard transform, each ``+1`` or ``-1``.
 
-Format version 1 (scalestate 0.1 and 0.2 before the non-finite counters) is
-the same without ``nonfinite_counts``; it still loads, with every count 0.
+Format version 2 is the same without ``sr_ordinal``, ``seed`` and
+``rht_signs`` (it loads with the ordinals 0 and the manager's own seed and
+signs kept); format version 1 (scalestate 0.1 and 0.2 before the non-finite
+counters) is version 2 without ``nonfinite_counts``; it still loads, with
+every count 0.
 
 Everything is a dict, list, str, int, bool or tensor, so
 ``torch.load(path, weights_only=True)`` loads it.
@@ -38,7 +49,7 @@ raises :class:`~scalestate.errors.StateDictError` (a ``ValueError``) naming
 the key, what was expected and what it holds, before anything is modified:
 
 * the keys are exactly those of its format version: none missing, none extra;
-* ``format_version`` is the int 2 or 1 (not ``True``, ``2.0`` or a tensor);
+* ``format_version`` is the int 3, 2 or 1 (not ``True``, ``3.0`` or a tensor);
 * ``recipe`` has exactly the manager's recipe fields, each equal *and of the
   same type* (``4.0`` or ``True`` is not the int ``4`` or ``1``);
 * ``iteration`` is an int (not a bool) in ``[0, 2**63)``;
@@ -56,7 +67,9 @@ the key, what was expected and what it holds, before anything is modified:
   no finite inverse); ``step_amax`` entries are ``>= 0``, ``+inf`` or NaN
   (what casts record; the next ``step()`` applies the non-finite policy to
   them, as it would have without the save); ``nonfinite_counts`` entries
-  are ``>= 0``.
+  are ``>= 0``, as are ``sr_ordinal`` entries;
+* ``seed`` is an int (not a bool) in ``[0, 2**63)``; ``rht_signs`` is a
+  float32 ``[16]`` tensor of ``+1`` and ``-1``.
 
 Each tensor key is one row of :data:`TENSOR_KEYS` (dtype, shape, value rule
 and where the state holds it); a new kind of per-slot tensor is one more row.
@@ -72,12 +85,14 @@ import torch
 from torch import Tensor
 
 from scalestate._engine.state import State
+from scalestate._recipe_fields import described_fields
 from scalestate.errors import RecipeError, StateDictError
 from scalestate.math import FLOAT32_TINY
-from scalestate.recipe import RECIPES, Format, Recipe, Role, described_fields
+from scalestate.recipe import RECIPES, Format, Recipe, Role
 
 __all__ = [
     "FORMAT_VERSION",
+    "RANDOM_SINCE",
     "TENSOR_KEYS",
     "TensorKey",
     "is_state_dict",
@@ -87,9 +102,11 @@ __all__ = [
     "to_state_dict",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: Versions this scalestate reads.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
+#: The version that added ``seed`` and ``rht_signs`` (and ``sr_ordinal``).
+RANDOM_SINCE = 3
 #: Largest ``iteration`` accepted: it must fit an int64.
 MAX_ITERATION = 2**63 - 1
 #: Tensor types taken as they are; any other subclass (DTensor, FakeTensor, ...) is refused.
@@ -164,12 +181,24 @@ TENSOR_KEYS: tuple[TensorKey, ...] = (
         rule="non-finite counts must be >= 0",
         since=2,
     ),
+    TensorKey(
+        name="sr_ordinal",
+        dtype=torch.int64,
+        row_shape=lambda history_len: (),
+        read=lambda state: state.random.ordinals(len(state)),
+        invalid=lambda t: t < 0,
+        rule="stochastic-rounding ordinals must be >= 0",
+        since=RANDOM_SINCE,
+    ),
 )
 
 
 def keys_of(version: int) -> tuple[str, ...]:
     """The keys of a state dict of format ``version``."""
-    return ("format_version", "recipe", "iteration", "slots", *(k.name for k in TENSOR_KEYS if k.since <= version))
+    random = ("seed", "rht_signs") if version >= RANDOM_SINCE else ()
+    return (
+        "format_version", "recipe", "iteration", "slots", *(k.name for k in TENSOR_KEYS if k.since <= version), *random,
+    )
 
 
 _KEYS = keys_of(FORMAT_VERSION)
@@ -258,6 +287,8 @@ def to_state_dict(state: State, recipe: Recipe) -> dict[str, Any]:
     }
     for key in TENSOR_KEYS:
         sd[key.name] = key.read(state).detach().index_select(0, index)
+    sd["seed"] = state.random.seed
+    sd["rht_signs"] = state.random.signs.detach().clone()
     return sd
 
 
@@ -271,7 +302,7 @@ def check_version(version: object) -> int:
             f"format_version must be the int {FORMAT_VERSION}; got {version!r} ({type_name(version)})"
         )
     if version not in READABLE_VERSIONS:
-        readable = " and ".join(map(str, READABLE_VERSIONS))
+        readable = ", ".join(map(str, READABLE_VERSIONS[:-1])) + f" and {READABLE_VERSIONS[-1]}"
         if version > FORMAT_VERSION:
             hint = f": it was saved by a newer scalestate than this one ({_package_version()}); upgrade to load it"
         else:

@@ -13,29 +13,41 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 from torch import Tensor
 
+from scalestate.e2m1 import Packing, decode_e2m1, unpack_e2m1
 from scalestate.errors import CastError, ReadOnlyError
+from scalestate.tiles import apply_tile_scales
 from scalestate.tiles import dequantize as tile_dequantize
 
-__all__ = ["FP8_DTYPES", "FP8_MAX", "Orientation", "Quantized", "QuantizedLayout"]
+__all__ = ["FP4_DTYPE", "FP8_DTYPES", "FP8_MAX", "Orientation", "Packing", "Quantized", "QuantizedLayout"]
 
 #: The largest finite value of each float8 dtype a ``Quantized`` may hold: the one table of them.
 FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 #: The float8 dtypes a ``Quantized`` may hold.
 FP8_DTYPES = frozenset(FP8_MAX)
+#: NVFP4's data dtype: two E2M1 values per byte (see :mod:`scalestate.e2m1`).
+FP4_DTYPE = torch.float4_e2m1fn_x2
 
 #: ``(rows, columns)`` of the data one scale covers; ``None``: one 0-d scale for the whole tensor.
 Tile = tuple[int, int] | None
 
 
 class Orientation(NamedTuple):
-    """One orientation of a quantized tensor: FP8 data with the scales it was cast with.
+    """One orientation of a quantized tensor: FP8 (or NVFP4) data with the scales it was cast with.
 
     ``data ~= x * scale``, each scale spread over its ``tile`` of ``data``
     (``tile`` ``None``: one 0-d scale). ``scale_inv`` is
     ``torch.reciprocal(scale)`` in float32, or E8M0 for MX.
+
+    NVFP4 (``packing`` set): ``data`` is ``torch.float4_e2m1fn_x2``, two
+    E2M1 values per byte along its last dimension; ``scale`` holds the
+    float32 multipliers ``e_b`` applied per block, ``scale_inv`` the stored
+    E4M3 block scales ``s_b`` and ``tensor_scale_inv`` the per-tensor
+    ``S_dec``: the values are ``q * (s_b * S_dec)``. Scales and ``tile`` are
+    those of the stored values; ``packing.transposed`` says the orientation
+    means their transpose (see :mod:`scalestate.nvfp4`).
     """
 
-    #: The FP8 values.
+    #: The FP8 values (NVFP4: packed E2M1 codes).
     data: Tensor
     #: float32: the multipliers applied before rounding.
     scale: Tensor
@@ -43,16 +55,49 @@ class Orientation(NamedTuple):
     scale_inv: Tensor
     #: ``(rows, columns)`` of ``data`` one scale covers; ``None`` for one 0-d scale.
     tile: Tile = None
+    #: NVFP4 only: the 0-d float32 per-tensor factor ``S_dec`` that multiplies every block scale.
+    tensor_scale_inv: Tensor | None = None
+    #: NVFP4 only: the logical shape of the packed data, and whether this orientation is its transpose.
+    packing: Packing | None = None
 
     def t(self) -> Orientation:
-        """The same values as ``x.t()``: the view ``data.t()``, with the scales and the tile transposed."""
+        """The same values as ``x.t()``: the view ``data.t()``, with the scales and the tile transposed.
+
+        NVFP4 data stays as stored (it is packed along its rows): the
+        orientation's ``packing`` then says it means the transpose.
+        """
+        if self.packing is not None:
+            return self._replace(packing=self.packing._replace(transposed=not self.packing.transposed))
         return Orientation(self.data.t(), _t(self.scale), _t(self.scale_inv), _swap(self.tile))
 
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of the values (NVFP4: unpacked, transposed where the orientation is a transpose)."""
+        p = self.packing
+        if p is None:
+            return self.data.shape
+        return torch.Size(p.shape[::-1] if p.transposed else p.shape)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """``data * scale_inv`` in ``dtype`` (computed in float32), each factor spread over its tile."""
+        """``data * scale_inv`` in ``dtype`` (computed in float32), each factor spread over its tile.
+
+        NVFP4: ``q * (s_b * S_dec)``, in that order of float32 operations.
+        """
+        p = self.packing
+        if p is not None:
+            assert self.tensor_scale_inv is not None
+            values = decode_e2m1(unpack_e2m1(self.data, p.shape[-1]))
+            out = apply_tile_scales(values, self.scale_inv.float() * self.tensor_scale_inv, self.tile or (1, 1))
+            return (out.t() if p.transposed else out).to(dtype)
         if self.tile is None:
             return (self.data.float() * self.scale_inv).to(dtype)
         return tile_dequantize(self.data, self.scale_inv, self.tile).to(dtype)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Its tensors: ``data, scale, scale_inv`` (and ``tensor_scale_inv`` for NVFP4)."""
+        if self.tensor_scale_inv is None:
+            return self.data, self.scale, self.scale_inv
+        return self.data, self.scale, self.scale_inv, self.tensor_scale_inv
 
 
 class QuantizedLayout(NamedTuple):
@@ -64,6 +109,10 @@ class QuantizedLayout(NamedTuple):
     has_other: bool
     #: The tile of the second orientation (``None`` when there is none or it is per tensor).
     other_tile: Tile
+    #: NVFP4: the packing of the first orientation (a fourth tensor, ``tensor_scale_inv``, follows its three).
+    packing: Packing | None = None
+    #: NVFP4: the packing of the second orientation.
+    other_packing: Packing | None = None
 
 
 class Quantized:
@@ -176,9 +225,11 @@ class Quantized:
 
     def _fill(self, primary: Orientation, other: Orientation | None) -> None:
         """Check the FP8 dtype and set the two orientations of a new instance (also of a subclass's)."""
-        if primary.data.dtype not in FP8_DTYPES:
+        dtype = primary.data.dtype
+        if dtype not in FP8_DTYPES and not (dtype == FP4_DTYPE and primary.packing is not None):
             raise CastError(
-                f"Quantized data must be torch.float8_e4m3fn or torch.float8_e5m2; got {primary.data.dtype}"
+                "Quantized data must be torch.float8_e4m3fn or torch.float8_e5m2 (or torch.float4_e2m1fn_x2 "
+                f"with its NVFP4 packing); got {dtype}"
             )
         object.__setattr__(self, "_primary", primary)
         object.__setattr__(self, "_other", other)
@@ -196,20 +247,21 @@ class Quantized:
         return self._other
 
     def flatten(self) -> tuple[tuple[Tensor, ...], QuantizedLayout]:
-        """The tensors of this quantization (3, or 6 with the other orientation) and what rebuilds it.
+        """The tensors of this quantization (3 per orientation, 4 for NVFP4) and what rebuilds it.
 
         ``Quantized.unflatten(*q.flatten())`` holds the very same tensors.
         """
         p, o = self._primary, self._other
         if o is None:
-            return (p.data, p.scale, p.scale_inv), QuantizedLayout(p.tile, False, None)
-        return (p.data, p.scale, p.scale_inv, o.data, o.scale, o.scale_inv), QuantizedLayout(p.tile, True, o.tile)
+            return p.tensors(), QuantizedLayout(p.tile, False, None, p.packing)
+        return (*p.tensors(), *o.tensors()), QuantizedLayout(p.tile, True, o.tile, p.packing, o.packing)
 
     @staticmethod
     def unflatten(tensors: tuple[Tensor, ...], layout: QuantizedLayout) -> Quantized:
         """The ``Quantized`` that :meth:`flatten` gave ``tensors`` and ``layout`` for."""
-        primary = Orientation(tensors[0], tensors[1], tensors[2], layout.tile)
-        other = Orientation(tensors[3], tensors[4], tensors[5], layout.other_tile) if layout.has_other else None
+        n = 3 if layout.packing is None else 4
+        primary = _orientation(tensors[:n], layout.tile, layout.packing)
+        other = _orientation(tensors[n:], layout.other_tile, layout.other_packing) if layout.has_other else None
         return Quantized.of(primary, other)
 
     # ----------------------------------------------------------------- public fields
@@ -256,12 +308,12 @@ class Quantized:
 
     @property
     def shape(self) -> torch.Size:
-        """Shape of ``data``."""
-        return self._primary.data.shape
+        """Shape of ``data`` (NVFP4: of the values, unpacked)."""
+        return self._primary.shape
 
     @property
     def dtype(self) -> torch.dtype:
-        """FP8 dtype of ``data``."""
+        """FP8 dtype of ``data`` (``torch.float4_e2m1fn_x2`` for NVFP4)."""
         return self._primary.data.dtype
 
     def __setattr__(self, name: str, value: Any) -> NoReturn:
@@ -318,7 +370,13 @@ class Quantized:
         scale = f"{p.scale.item():g}" if p.scale.numel() == 1 else f"shape {tuple(p.scale.shape)}"
         extra = ", transposed" if self._other is not None else ""
         tile = "" if p.tile is None else f", tile={p.tile}"
-        return f"<{type(self).__name__}({tuple(p.data.shape)}, {p.data.dtype}, scale={scale}{tile}{extra})>"
+        return f"<{type(self).__name__}({tuple(p.shape)}, {p.data.dtype}, scale={scale}{tile}{extra})>"
+
+
+def _orientation(tensors: tuple[Tensor, ...], tile: Tile, packing: Packing | None) -> Orientation:
+    if packing is None:
+        return Orientation(tensors[0], tensors[1], tensors[2], tile)
+    return Orientation(tensors[0], tensors[1], tensors[2], tile, tensors[3], packing)
 
 
 def _t(scale: Tensor) -> Tensor:

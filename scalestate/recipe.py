@@ -18,9 +18,19 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from scalestate._recipe_fields import (
+    DescribedRepr,
+    amax_floor_field,
+    check_amax_compute,
+    check_block,
+    check_bool,
+    check_history_len,
+    check_margin,
+)
 from scalestate.errors import RecipeError
 from scalestate.granularity import MX_BLOCK, Granularity, GranularityKind
-from scalestate.math import FLOAT32_MAX, FLOAT32_TINY, ScaleRule
+from scalestate.math import ScaleRule
+from scalestate.nvfp4 import NVFP4_BLOCK
 from scalestate.quantized import FP8_MAX
 
 __all__ = [
@@ -32,6 +42,7 @@ __all__ = [
     "Granularity",
     "GranularityKind",
     "MXFP8Scaling",
+    "NVFP4Scaling",
     "Recipe",
     "Role",
     "RowwiseScaling",
@@ -97,82 +108,8 @@ def _check_format(_: object, attribute: attrs.Attribute[Any], value: object) -> 
         raise RecipeError(f"{attribute.name} must be one of {allowed}; got {value!r}")
 
 
-def _check_bool(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, bool):
-        raise RecipeError(f"{attribute.name} must be True or False; got {value!r}")
-
-
-def _check_history_len(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RecipeError(f"{attribute.name} must be an int >= 1; got {value!r}")
-
-
-def _check_margin(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64:
-        raise RecipeError(f"{attribute.name} must be an int in [0, 64]; got {value!r}")
-
-
-def _check_block(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65536:
-        raise RecipeError(f"{attribute.name} must be an int in [1, 65536]; got {value!r}")
-
-
-def _check_amax_compute(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value not in ("max", "most_recent"):
-        raise RecipeError(f"{attribute.name} must be 'max' or 'most_recent'; got {value!r}")
-
-
-def _as_float(value: object) -> object:
-    """An int amax floor as the float it means (``0`` and ``-0.0`` are ``0.0``); anything else as it
-    is, for the validator to judge."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value) + 0.0
-    return value
-
-
-def _check_amax_floor(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, float) or not (value == 0.0 or FLOAT32_TINY <= value <= FLOAT32_MAX):
-        raise RecipeError(
-            f"{attribute.name} must be 0.0 (no floor) or a float from 2**-126 to {FLOAT32_MAX:.6g} (a normal "
-            f"float32: the scale math runs in float32), e.g. 1e-12 as torchao's dynamic scaling; got {value!r}"
-        )
-
-
-#: ``metadata`` key of a recipe field added after recipes were first saved: such a field is left
-#: out of the recipe's repr and of the manager's saved recipe while it holds its default, so that
-#: states and reprs made before it existed stay valid and unchanged.
-_OMITTED_AT_DEFAULT = "scalestate.omitted_at_default"
-
-
-def described_fields(recipe: object) -> dict[str, Any]:
-    """The fields that describe ``recipe`` (an attrs recipe), in order: every field but one added
-    since recipes were first saved (``amax_floor``) while it holds its default."""
-    cls: Any = type(recipe)
-    out: dict[str, Any] = {}
-    for field in attrs.fields(cls):
-        value = getattr(recipe, field.name)
-        if field.metadata.get(_OMITTED_AT_DEFAULT) and value == field.default:
-            continue
-        out[field.name] = value
-    return out
-
-
-def _amax_floor_field() -> Any:
-    return attrs.field(
-        default=0.0, converter=_as_float, validator=_check_amax_floor, metadata={_OMITTED_AT_DEFAULT: True}
-    )
-
-
-class _DescribedRepr:
-    """A repr of the fields that describe the recipe (see :func:`described_fields`)."""
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={value!r}" for name, value in described_fields(self).items())
-        return f"{type(self).__name__}({fields})"
-
-
 @attrs.frozen(repr=False)
-class DelayedScaling(_DescribedRepr):
+class DelayedScaling(DescribedRepr):
     """Scale each cast from the amax history of earlier steps.
 
     Between two ``step()`` calls every cast of a slot uses one scale; the amax
@@ -187,24 +124,24 @@ class DelayedScaling(_DescribedRepr):
     """
 
     #: Number of past steps whose amax is kept per slot (newest last).
-    history_len: int = attrs.field(default=16, validator=_check_history_len)
+    history_len: int = attrs.field(default=16, validator=check_history_len)
     #: ``"max"``: scale from the largest amax in the history; ``"most_recent"``:
     #: from the newest one.
     amax_compute: Literal["max", "most_recent"] = attrs.field(
-        default="max", validator=_check_amax_compute
+        default="max", validator=check_amax_compute
     )
     #: Headroom: the scale is divided by ``2**margin``.
-    margin: int = attrs.field(default=0, validator=_check_margin)
+    margin: int = attrs.field(default=0, validator=check_margin)
     #: FP8 format of forward and backward casts.
     format: Format = attrs.field(default=Format.HYBRID, validator=_check_format)
     #: Round each scale down to a power of two (exact rescaling, no mantissa error).
-    power_of_2: bool = attrs.field(default=False, validator=_check_bool)
+    power_of_2: bool = attrs.field(default=False, validator=check_bool)
     #: Amaxes below it (but above 0) scale as if they were it: ``fp8_max /
     #: max(amax, amax_floor)``. ``0.0`` (default): no floor, the scale follows
     #: the amax down to the smallest one (up to the float32 maximum). torchao's
     #: dynamic scaling floors at ``1e-12``. Shown in the repr and saved in the
     #: manager's state only when set.
-    amax_floor: float = _amax_floor_field()
+    amax_floor: float = amax_floor_field()
 
     @property
     def delayed(self) -> bool:
@@ -260,7 +197,7 @@ class _JustInTime:
 
 
 @attrs.frozen(repr=False)
-class CurrentScaling(_DescribedRepr, _JustInTime):
+class CurrentScaling(DescribedRepr, _JustInTime):
     """Scale each cast just in time from the tensor being cast.
 
     Every cast computes the tensor's amax first and derives its scale from it;
@@ -278,11 +215,11 @@ class CurrentScaling(_DescribedRepr, _JustInTime):
     #: FP8 format of forward and backward casts.
     format: Format = attrs.field(default=Format.HYBRID, validator=_check_format)
     #: Round each scale down to a power of two.
-    power_of_2: bool = attrs.field(default=False, validator=_check_bool)
+    power_of_2: bool = attrs.field(default=False, validator=check_bool)
     #: Amaxes below it (but above 0) scale as if they were it, as in
     #: :attr:`DelayedScaling.amax_floor`. ``0.0`` (default): no floor;
     #: ``1e-12``: torchao's dynamic scaling.
-    amax_floor: float = _amax_floor_field()
+    amax_floor: float = amax_floor_field()
 
     @property
     def rule(self) -> ScaleRule:
@@ -311,7 +248,7 @@ class RowwiseScaling(_JustInTime):
     #: FP8 format of forward and backward casts.
     format: Format = attrs.field(default=Format.E4M3, validator=_check_format)
     #: Round each scale down to a power of two.
-    power_of_2: bool = attrs.field(default=False, validator=_check_bool)
+    power_of_2: bool = attrs.field(default=False, validator=check_bool)
 
     def granularity(self, role: Role) -> Granularity:
         """One scale per row, for every role."""
@@ -335,9 +272,9 @@ class BlockScaling(_JustInTime):
     #: FP8 format of forward and backward casts.
     format: Format = attrs.field(default=Format.E4M3, validator=_check_format)
     #: Elements per tile along a row, and rows and columns per weight block.
-    block: int = attrs.field(default=128, validator=_check_block)
+    block: int = attrs.field(default=128, validator=check_block)
     #: Round each scale down to a power of two.
-    power_of_2: bool = attrs.field(default=True, validator=_check_bool)
+    power_of_2: bool = attrs.field(default=True, validator=check_bool)
 
     def granularity(self, role: Role) -> Granularity:
         """Tiles for activations and gradients, square blocks for weights."""
@@ -372,13 +309,95 @@ class MXFP8Scaling(_JustInTime):
         return Granularity(GranularityKind.MX, MX_BLOCK, True)
 
 
-Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling | MXFP8Scaling
+def _check_global_scale(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in ("current", "delayed"):
+        raise RecipeError(f"{attribute.name} must be 'current' or 'delayed'; got {value!r}")
+
+
+@attrs.frozen
+class NVFP4Scaling:
+    """NVFP4: E2M1 data, one E4M3 scale per 16 elements, one float32 scale per tensor.
+
+    Every role is scaled along each product's own contraction axis (as the
+    fine-grained recipes are); the numerics are in :mod:`scalestate.nvfp4`
+    and docs/recipes.md. The per-tensor level ``S_enc = 2688 / amax`` is
+    scaled just in time from each tensor (``global_scale="current"``) or
+    from the slot's amax history (``"delayed"``, with ``history_len``,
+    ``amax_compute`` and ``margin`` as in :class:`DelayedScaling`; a slot
+    with no history yet is scaled just in time), which saves a pass over
+    the tensor.
+
+    ``rht``: the weight-gradient operands (``x`` and ``dy`` along tokens)
+    go through a random Hadamard transform first, whose 16 signs are
+    manager state. ``stochastic_rounding``: gradient casts round
+    stochastically, from a counter-based generator keyed by the manager's
+    seed, the slot, the iteration and the cast's ordinal in the step. Both
+    are saved and restored with the manager's state.
+
+    Example:
+        >>> import scalestate as ss
+        >>> r = ss.NVFP4Scaling(global_scale="delayed", history_len=4)
+        >>> r.granularity(ss.Role.WEIGHT), r.delayed
+        (Granularity(kind=<GranularityKind.NVFP4_2D: 'nvfp4_2d'>, block=16, power_of_2=False), True)
+    """
+
+    #: ``"current"``: the per-tensor scale comes from each tensor's own amax;
+    #: ``"delayed"``: from the slot's amax history (just in time until its first step).
+    global_scale: Literal["current", "delayed"] = attrs.field(default="current", validator=_check_global_scale)
+    #: Past steps' amaxes kept per slot (newest last); the delayed per-tensor scale derives from them.
+    history_len: int = attrs.field(default=16, validator=check_history_len)
+    #: ``"max"`` or ``"most_recent"``, as in :class:`DelayedScaling` (delayed only).
+    amax_compute: Literal["max", "most_recent"] = attrs.field(default="max", validator=check_amax_compute)
+    #: Headroom of the delayed per-tensor scale: divided by ``2**margin``.
+    margin: int = attrs.field(default=0, validator=check_margin)
+    #: ``16 x 16`` weight blocks (a weight and its transpose quantize to the same values); else ``1 x 16``.
+    weight_2d: bool = attrs.field(default=True, validator=check_bool)
+    #: Random Hadamard transform of the weight-gradient operands (16 tokens at a time).
+    rht: bool = attrs.field(default=True, validator=check_bool)
+    #: Stochastic rounding of gradient casts (``GRAD_OUTPUT``).
+    stochastic_rounding: bool = attrs.field(default=True, validator=check_bool)
+
+    @property
+    def delayed(self) -> bool:
+        """True with ``global_scale="delayed"``: per-tensor scales come from the history."""
+        return self.global_scale == "delayed"
+
+    @property
+    def power_of_2(self) -> bool:
+        """False: block scales are E4M3 values, not powers of two."""
+        return False
+
+    @property
+    def rule(self) -> ScaleRule:
+        """How the per-tensor scale ``S_enc`` follows from the history (delayed) or the last amax (current)."""
+        if self.delayed:
+            return ScaleRule(amax_compute=self.amax_compute, margin=self.margin)
+        return ScaleRule(amax_compute="most_recent")
+
+    def granularity(self, role: Role) -> Granularity:
+        """``1 x 16`` blocks, or ``16 x 16`` for weights with ``weight_2d``."""
+        kind = GranularityKind.NVFP4_2D if role is Role.WEIGHT and self.weight_2d else GranularityKind.NVFP4
+        return Granularity(kind, NVFP4_BLOCK, False)
+
+    def hadamard(self, role: Role) -> bool:
+        """Whether ``role``'s columnwise orientation (along tokens) is Hadamard-transformed."""
+        return self.rht and role is not Role.WEIGHT
+
+    def stochastic(self, role: Role) -> bool:
+        """Whether ``role``'s casts round stochastically (gradients only)."""
+        return self.stochastic_rounding and role is Role.GRAD_OUTPUT
+
+
+Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling | MXFP8Scaling | NVFP4Scaling
 """Any recipe: the type of ``ScalingStateManager``'s ``recipe`` argument.
 
 Per tensor: :class:`DelayedScaling` (from the amax history of earlier steps) and
 :class:`CurrentScaling` (from the tensor, just in time). Fine-grained, just in
-time: :class:`RowwiseScaling`, :class:`BlockScaling`, :class:`MXFP8Scaling`.
+time: :class:`RowwiseScaling`, :class:`BlockScaling`, :class:`MXFP8Scaling`. Four-bit:
+:class:`NVFP4Scaling` (block scales just in time, the per-tensor level current or delayed).
 """
 
-RECIPES: tuple[type, ...] = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXFP8Scaling)
+RECIPES: tuple[type, ...] = (
+    DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXFP8Scaling, NVFP4Scaling,
+)
 """Every recipe class (what ``ScalingStateManager`` accepts)."""

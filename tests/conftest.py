@@ -21,9 +21,9 @@ CPU_BACKENDS = ("emulation", "scaled_mm")
 #: Per-tensor recipes run on every CPU backend everywhere. The slowest parity files (those that
 #: set ``FINE_RECIPES_ON_ONE_BACKEND = True``) run each fine-grained recipe on one backend only,
 #: which would otherwise more than double them: row-wise on scaled_mm (torch's own row-wise
-#: kernel), block and MX on emulation (scaled_mm falls back to those very emulated products).
+#: kernel), block, MX and NVFP4 on emulation (scaled_mm falls back to those very emulated products).
 #: The other pairs run in every other file that takes the fixtures.
-FINE_RECIPE_BACKEND = {"rowwise": "scaled_mm", "block": "emulation", "mxfp8": "emulation"}
+FINE_RECIPE_BACKEND = {"rowwise": "scaled_mm", "block": "emulation", "mxfp8": "emulation", "nvfp4": "emulation"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

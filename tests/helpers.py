@@ -34,7 +34,7 @@ DIM = 32
 #: Recipes of the parity suite whose products torch's scaled_mm cannot run: on CPU (torch 2.13)
 #: it has tensor-wise and row-wise kernels only; on CUDA its block kernels take 1 x 128 tiles
 #: (the suite's are 1 x 8) and its MX kernel needs sm100.
-NEEDS_FALLBACK = (ss.BlockScaling, ss.MXFP8Scaling)
+NEEDS_FALLBACK = (ss.BlockScaling, ss.MXFP8Scaling, ss.NVFP4Scaling)
 
 
 class ScaledMMWithFallback(ScaledMMBackend):
@@ -339,6 +339,9 @@ RECIPES = {
     "block": ss.BlockScaling(block=8),
     # MX blocks are fixed at 32 elements: one per DIM-wide row, 2 or 4 per MLP row.
     "mxfp8": ss.MXFP8Scaling(),
+    # NVFP4 with everything on: a delayed per-tensor level (so histories move), the random
+    # Hadamard transform and stochastic rounding (so their state is what the invariants test).
+    "nvfp4": ss.NVFP4Scaling(global_scale="delayed", history_len=4),
 }
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Per FP8 format, the smallest NaN code without the sign bit: E4M3 has one (S.1111.111), E5M2 three (S.11111.xx).

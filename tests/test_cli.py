@@ -274,7 +274,7 @@ class TestInspect:
             torch.save({"fp8": {**_saved_state(ss.DelayedScaling()), "format_version": version}}, tmp_path / "v.pt")
             code, out, err = self._run(capsys, str(tmp_path / "v.pt"))
             assert code == 1 and out == ""
-            assert f"format_version {version}; this scalestate reads 1 and 2" in err and hint in err, err
+            assert f"format_version {version}; this scalestate reads 1, 2 and 3" in err and hint in err, err
 
     def test_a_state_with_a_key_missing_is_found_and_named(self, capsys, tmp_path):
         """A state lacking a key is a corrupt state (the key named), not 'no state found'."""

@@ -29,8 +29,12 @@ RECIPES = {"delayed": ss.DelayedScaling(history_len=4), "current": ss.CurrentSca
 #: conftest.FINE_RECIPE_BACKEND, on a representative subset (TestFineGrained): every
 #: checkpoint of the fullgraph MLP, the transformer block, and Inductor. All of the per-tensor
 #: matrix for them would more than double this file.
-FINE_RECIPES = {"rowwise": ss.RowwiseScaling(), "block": ss.BlockScaling(block=8), "mxfp8": ss.MXFP8Scaling()}
-FINE_BACKEND = {"rowwise": "scaled_mm", "block": "emulation", "mxfp8": "emulation"}
+FINE_RECIPES = {
+    "rowwise": ss.RowwiseScaling(), "block": ss.BlockScaling(block=8), "mxfp8": ss.MXFP8Scaling(),
+    # NVFP4 with a delayed per-tensor level, the random Hadamard transform and stochastic rounding
+    "nvfp4": ss.NVFP4Scaling(global_scale="delayed", history_len=4),
+}
+FINE_BACKEND = {"rowwise": "scaled_mm", "block": "emulation", "mxfp8": "emulation", "nvfp4": "emulation"}
 ALL_RECIPES = {**RECIPES, **FINE_RECIPES}
 #: Checkpointing inside the compiled model: none, torch's non-reentrant checkpoint per block,
 #: checkpoint_wrapper, ss.checkpoint.

@@ -283,11 +283,16 @@ class TestEveryRecipe:
         # per-tensor scales serve both orientations (one count); an INPUT under every fine-grained
         # recipe is scaled along rows (1 x B tiles for BlockScaling), so its columns are a second,
         # separately scaled quantization, and count too
-        fine = isinstance(recipe, (ss.RowwiseScaling, ss.BlockScaling, ss.MXFP8Scaling))
+        fine = isinstance(recipe, (ss.RowwiseScaling, ss.BlockScaling, ss.MXFP8Scaling, ss.NVFP4Scaling))
         orientations = 2 if transpose and fine else 1
         assert s.cast_elements == 128 * orientations
         assert s.saturated_fraction == 0.0  # just in time (first step): every tile scales from its own max
-        assert s.underflow_fraction == 4 / (124 * orientations)
+        if isinstance(recipe, ss.NVFP4Scaling):
+            # E2M1's smallest step is 1/12 of a block's max: a row's 13 ones (in 64's block) flush with the
+            # tiny value; down the columns, the tiny values' block scale itself flushes to zero
+            assert s.underflow_fraction == (56 + 4 * (orientations - 1)) / (124 * orientations)
+        else:
+            assert s.underflow_fraction == 4 / (124 * orientations)
         assert s.amax == 64.0
 
     def test_flat_keys(self, recipe, backend):

@@ -10,7 +10,7 @@ from scalestate.backends.scaled_mm import ScaledMMBackend
 from scalestate.backends.scaled_mm.kinds import PAIRS, kind_label
 from scalestate.errors import CastError
 from scalestate.finegrained import quantize
-from scalestate.granularity import Granularity, GranularityKind, granularity_label
+from scalestate.granularity import NVFP4_KINDS, Granularity, GranularityKind, granularity_label
 
 E4M3 = torch.float8_e4m3fn
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
@@ -32,7 +32,7 @@ class TestKind:
         assert Granularity("tile", 128, True) == ss.BlockScaling().granularity(I)  # type: ignore[arg-type]
         assert str(GranularityKind.MX) == "mx" and f"{GranularityKind.ROW}" == "row"
 
-    @pytest.mark.parametrize("kind", list(GranularityKind))
+    @pytest.mark.parametrize("kind", [k for k in GranularityKind if k not in NVFP4_KINDS])
     def test_string_kind_casts_bitwise_alike(self, kind):
         """quantize() takes a Granularity spelled with the string value, with the same bits."""
         x = torch.randn(40, 96) * 3
@@ -42,6 +42,12 @@ class TestKind:
         for a, b in zip(by_member.flatten()[0], by_string.flatten()[0], strict=True):
             assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
                                b.view(torch.uint8) if b.element_size() == 1 else b)
+
+    @pytest.mark.parametrize("kind", sorted(NVFP4_KINDS))
+    def test_nvfp4_kinds_point_to_their_cast(self, kind):
+        """finegrained.quantize makes FP8 casts only: an NVFP4 kind is refused, naming its cast."""
+        with pytest.raises(CastError, match=r"scalestate\.nvfp4\.quantize_nvfp4"):
+            quantize(torch.randn(2, 16), E4M3, Granularity(kind, 16))
 
     def test_unknown_kind(self):
         """A kind that is none of the members is a CastError listing them."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import pytest
 import torch
 
@@ -52,7 +53,14 @@ class TestMicrobatchOrder:
 
         The weights are held fixed (lr=0): summing gradients in another order
         changes the weights in their last bits, and so the next step's inputs.
+
+        NVFP4's stochastic rounding draws by the cast's ordinal in the step: the
+        microbatch that runs first gets the first draw, whatever it is, so with
+        it the upstream gradients (and their amaxes) follow the order, by
+        design (see docs/recipes.md). Without it, the state is order-free.
         """
+        if isinstance(recipe, ss.NVFP4Scaling):
+            recipe = attrs.evolve(recipe, stochastic_rounding=False)
         a = train(recipe, backend, microbatches=4, lr=0.0)
         b = train(
             recipe, backend, microbatches=4, lr=0.0, order=[3, 2, 1, 0], mechanism="reentrant", granularity="block"

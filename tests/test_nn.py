@@ -16,6 +16,9 @@ I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
 # and the gradients multiply an E5M2 operand by an E4M3 one (~24.5 dB measured).
 OUTPUT_SQNR_DB = 25.0
 GRAD_SQNR_DB = 20.0
+#: NVFP4's 4-bit values (measured here: 16.7 dB output, 15.0 dB input and 15.5 dB weight gradients), with a margin.
+NVFP4_OUTPUT_SQNR_DB = 15.5
+NVFP4_GRAD_SQNR_DB = 13.5
 
 
 def _pair(manager, dtype=torch.float32, bias=True):
@@ -30,6 +33,8 @@ class TestNumerics:
     def test_sqnr_vs_fp32(self, manager, dtype):
         """Output >= 25 dB, input and weight gradients >= 20 dB, over 3 steps."""
         ref, fp8 = _pair(manager, dtype)
+        nvfp4 = isinstance(manager.recipe, ss.NVFP4Scaling)
+        out_db, grad_db = (NVFP4_OUTPUT_SQNR_DB, NVFP4_GRAD_SQNR_DB) if nvfp4 else (OUTPUT_SQNR_DB, GRAD_SQNR_DB)
         for _ in range(3):
             x, g = torch.randn(4, 32, 256, dtype=dtype), torch.randn(4, 32, 128, dtype=dtype)
             x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -40,9 +45,9 @@ class TestNumerics:
             with manager.backward():
                 y.backward(g)
             assert y.dtype == dtype and x2.grad.dtype == dtype and fp8.weight.grad.dtype == dtype
-            assert sqnr(y_ref, y) >= OUTPUT_SQNR_DB
-            assert sqnr(x1.grad, x2.grad) >= GRAD_SQNR_DB
-            assert sqnr(ref.weight.grad, fp8.weight.grad) >= GRAD_SQNR_DB
+            assert sqnr(y_ref, y) >= out_db
+            assert sqnr(x1.grad, x2.grad) >= grad_db
+            assert sqnr(ref.weight.grad, fp8.weight.grad) >= grad_db
             assert sqnr(ref.bias.grad, fp8.bias.grad) >= 40.0
             ref.zero_grad()
             fp8.zero_grad()

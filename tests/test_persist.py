@@ -26,7 +26,9 @@ TINY = torch.finfo(torch.float32).tiny  # 2**-126, the smallest normal float32
 SUBNORMAL = 1e-40
 NAN, INF = math.nan, math.inf
 TENSOR_NAMES = tuple(k.name for k in TENSOR_KEYS)
-KEYS = ("format_version", "recipe", "iteration", "slots", *TENSOR_NAMES)
+KEYS = ("format_version", "recipe", "iteration", "slots", *TENSOR_NAMES, "seed", "rht_signs")
+#: The keys format version 3 added.
+V3_ONLY = ("sr_ordinal", "seed", "rht_signs")
 
 
 def _trained(recipe=None, backend="emulation", steps=3):
@@ -337,23 +339,38 @@ class TestStrictValues:
 
 
 class TestStrictScalars:
-    @pytest.mark.parametrize("value", [True, 2.0, "2", None, [2], torch.tensor(2), torch.tensor(2, device="meta")])
+    @pytest.mark.parametrize("value", [True, 3.0, "3", None, [3], torch.tensor(3), torch.tensor(3, device="meta")])
     def test_format_version_not_an_int(self, value):
-        """format_version is the int 2: not a bool (True == 1 in Python), a float or a tensor."""
+        """format_version is the int 3: not a bool (True == 1 in Python), a float or a tensor."""
         m, _ = _trained()
-        _refused(m, {**m.state_dict(), "format_version": value}, "format_version must be the int 2")
+        _refused(m, {**m.state_dict(), "format_version": value}, "format_version must be the int 3")
 
     def test_format_version_1_loads_with_zero_counts(self):
         """A dict of format version 1 (before the non-finite counters) loads; its counts start at 0."""
         m, _ = _trained()
         sd = m.state_dict()
-        old = {k: v for k, v in sd.items() if k != "nonfinite_counts"} | {"format_version": 1}
+        old = {k: v for k, v in sd.items() if k not in (*V3_ONLY, "nonfinite_counts")} | {"format_version": 1}
         m.load_state_dict(old)
         for key in ("amax_history", "scale", "step_amax"):
             assert torch.equal(m.state_dict()[key], sd[key])
         assert all(n == 0 for roles in m.nonfinite_counts().values() for n in roles.values())
         _refused(m, {**old, "nonfinite_counts": sd["nonfinite_counts"]}, "unexpected key")
-        _refused(m, {**sd, "format_version": 3}, "newer scalestate")
+        _refused(m, {**sd, "format_version": 4}, "newer scalestate")
+
+    def test_format_version_2_loads_keeping_the_seed(self):
+        """A dict of format version 2 (before NVFP4's randomness) loads: the manager keeps its own seed
+        and signs, and every ordinal starts at 0; version 2 with the version-3 keys is refused."""
+        m, _ = _trained(ss.NVFP4Scaling())
+        sd = m.state_dict()
+        fresh, _ = _trained(ss.NVFP4Scaling())
+        fresh_seed, fresh_signs = fresh.seed, fresh.rht_signs()
+        old = {k: v for k, v in sd.items() if k not in V3_ONLY} | {"format_version": 2}
+        fresh.load_state_dict(old)
+        assert fresh.seed == fresh_seed and torch.equal(fresh.rht_signs(), fresh_signs)
+        assert torch.equal(fresh.state_dict()["sr_ordinal"], torch.zeros(2 * 3, dtype=torch.int64))
+        for key in ("amax_history", "scale", "step_amax", "nonfinite_counts"):
+            assert torch.equal(fresh.state_dict()[key], sd[key])
+        _refused(fresh, {**sd, "format_version": 2}, "unexpected key")
 
     def test_counts_round_trip(self):
         m = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
@@ -465,6 +482,7 @@ VALID_VALUES = {
     "scale": st.floats(min_value=TINY, max_value=F32_MAX, width=32) | st.sampled_from([TINY, 1.0, F32_MAX]),
     "step_amax": _AMAX | st.sampled_from([INF, NAN]),
     "nonfinite_counts": st.integers(0, 2**63 - 1),
+    "sr_ordinal": st.integers(0, 2**63 - 1),
 }
 #: Values each tensor key refuses.
 BAD_VALUES = {
@@ -472,6 +490,7 @@ BAD_VALUES = {
     "scale": [NAN, INF, -INF, 0.0, -0.0, -1.0, SUBNORMAL, 1e-45, TINY / 2],
     "step_amax": [-INF, -1.0, -1e-45],
     "nonfinite_counts": [-1, -(2**63)],
+    "sr_ordinal": [-1, -(2**63)],
 }
 _NAN_BITS = [0x7FC00123, -0x400000, 0x7F800001]  # NaNs with a payload, a sign, a signalling bit
 
@@ -485,6 +504,15 @@ RECIPES = st.one_of(
         power_of_2=st.booleans(),
     ),
     st.builds(ss.CurrentScaling, format=st.sampled_from(list(ss.Format)), power_of_2=st.booleans()),
+    st.builds(
+        ss.NVFP4Scaling,
+        global_scale=st.sampled_from(["current", "delayed"]),
+        history_len=st.integers(1, 4),
+        margin=st.integers(0, 3),
+        weight_2d=st.booleans(),
+        rht=st.booleans(),
+        stochastic_rounding=st.booleans(),
+    ),
 )
 LAYOUTS = st.lists(
     st.tuples(
@@ -575,7 +603,7 @@ def _retype_scalar(draw: st.DrawFn, sd: dict[str, Any], broken: list[str]) -> st
         return None
     key = draw(st.sampled_from(keys))
     bad = {
-        "format_version": [0, 3, -1, True, False, 2.0, "2", None, [2], torch.tensor(2), torch.tensor(2, device="meta")],
+        "format_version": [0, 4, -1, True, False, 3.0, "3", None, [3], torch.tensor(3), torch.tensor(3, device="meta")],
         "iteration": [-1, -(2**63), 2**63, 2**64, True, False, 1.5, "3", None, torch.tensor(3)],
     }[key]
     sd[key] = draw(st.sampled_from(bad))

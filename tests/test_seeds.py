@@ -111,8 +111,9 @@ class TestIdenticalMicrobatches:
             assert all(torch.equal(outs[0], o) for o in outs[1:])
             out_ref = torch.nn.functional.linear(inp, model.weight, model.bias).detach()
             err = (outs[0].detach() - out_ref).abs().max().item()
-            # the report's good run: 0.068 at every microbatch; its bug: 1.7
-            assert err < 0.1, f"step {step}: max |fp8 - fp32| = {err}"
+            # the report's good run: 0.068 at every microbatch; its bug: 1.7 (NVFP4's 4-bit values: 0.23)
+            bound = 0.4 if isinstance(recipe, ss.NVFP4Scaling) else 0.1
+            assert err < bound, f"step {step}: max |fp8 - fp32| = {err}"
             opt.step()
             opt.zero_grad()
             m.step()

@@ -11,7 +11,7 @@ from torch import Tensor
 from scalestate.backends.base import CastRequest, StepUpdate
 from scalestate.backends.emulation import EmulationBackend
 from scalestate.backends.scaled_mm import ScaledMMBackend
-from scalestate.granularity import GranularityKind
+from scalestate.granularity import NVFP4_KINDS, GranularityKind
 from scalestate.quantized import Quantized
 from scalestate.recipe import Recipe
 
@@ -146,7 +146,9 @@ class CudaBackend(EmulationBackend):
 
 def _kernel_cannot(kind: GranularityKind, block: int, x: Tensor) -> bool:
     """Casts the kernels leave to the emulation's code: tiles of a size that is not a power of two,
-    and rows longer than :data:`LONGEST_ROW`."""
+    rows longer than :data:`LONGEST_ROW`, and NVFP4 (no kernel of its own yet: torch operations)."""
+    if kind in NVFP4_KINDS:
+        return True
     if kind == GranularityKind.ROW:
         return x.shape[-1] > LONGEST_ROW or (x.dim() == 2 and x.shape[0] > LONGEST_ROW)
     return block & (block - 1) != 0

@@ -21,13 +21,17 @@ from scalestate.backends.scaled_mm.products import blockwise, rowwise, tensorwis
 from scalestate.errors import ArgumentTypeError, ArgumentValueError, BackendUnavailableError
 from scalestate.granularity import Granularity
 from scalestate.quantized import Quantized
-from scalestate.recipe import Recipe, Role
+from scalestate.recipe import NVFP4Scaling, Recipe, Role
 
 __all__ = ["ScaledMMBackend"]
 
 _TWO_E5M2 = "cuBLASLt cannot multiply two E5M2 operands (use Format.HYBRID or Format.E4M3)"
 _ALTERNATIVES = 'ScaledMMBackend(fallback="emulation") to emulate those products, or backend="emulation"'
 _NO_KERNEL = "its block-wise kernels take 1 x 128 tiles and 128 x 128 blocks, its MX kernel blocks of 32"
+_NVFP4 = (
+    "NVFP4 products need torch.nn.functional.scaled_mm with 1 x 16 E4M3 block scales, which only a "
+    "Blackwell GPU (sm100 or newer) runs, and this backend does not call it yet"
+)
 #: The operands of a linear layer's three products: forward, input gradient, weight gradient.
 _PRODUCTS = ((Role.INPUT, Role.WEIGHT), (Role.GRAD_OUTPUT, Role.WEIGHT), (Role.GRAD_OUTPUT, Role.INPUT))
 
@@ -91,6 +95,11 @@ class ScaledMMBackend(EmulationBackend):
         if all(g is None for g in roles.values()):
             return True, why
         name = _recipe_label(recipe, roles)
+        if isinstance(recipe, NVFP4Scaling):
+            where = device_label(device)
+            if self._fallback == "emulation":
+                return True, f"{name} on {where}: {_NVFP4}; those products fall back to emulation"
+            return False, f"{name} cannot run in torch's kernels on {where}: {_NVFP4}. Use {_ALTERNATIVES}"
         failures: dict[str, None] = {}
         for first, second in _PRODUCTS:
             ka, kb = recipe_kinds(roles[first]), recipe_kinds(roles[second])
@@ -130,6 +139,12 @@ class ScaledMMBackend(EmulationBackend):
         On CUDA an operand in the wrong layout is taken from its ``transposed``
         copy when the cast made one with the same (per-tensor) scale, else copied.
         """
+        if a.primary.packing is not None or b.primary.packing is not None:
+            if self._fallback == "emulation":
+                return super().scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
+            raise BackendUnavailableError(
+                f"ScaledMMBackend cannot multiply NVFP4 operands: {_NVFP4}. Use {_ALTERNATIVES}"
+            )
         if a.tile is None and b.tile is None:
             if (
                 a.data.is_cuda

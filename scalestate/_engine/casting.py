@@ -176,7 +176,12 @@ class Caster:
         x = x.detach() if x.requires_grad else x
         whole = None if shard is None else self._whole_amax(slot, shard, jit)
         if whole is None:
-            return self._binding.backend.cast(CastRequest(x, slot.spec, scale, jit, record, transpose))
+            spec = slot.spec
+            if spec.hadamard or spec.stochastic:  # NVFP4's randomness, drawn from the manager's state
+                signs = st.random.signs if spec.hadamard else None
+                key = st.random.sr_key(slot.row) if spec.stochastic else None
+                return self._binding.backend.cast(CastRequest(x, spec, scale, jit, record, transpose, signs, key))
+            return self._binding.backend.cast(CastRequest(x, spec, scale, jit, record, transpose))
         if jit is not False:
             own = scale_from_amax(whole, slot.spec.fp8_max, slot.spec.rule, previous=scale)
             scale = own if jit is True else torch.where(jit, own, scale)
@@ -208,7 +213,8 @@ class Caster:
 
     def _counts(self, slot: Slot, x: Tensor, q: Quantized, shard: ShardCast | None) -> tuple[int | Tensor, Tensor]:
         """What a recorded cast did to its elements; for a shard, summed over its groups (the whole tensor's)."""
-        elements, counts = cast_counts(x, q, slot.spec.fp8_max)
+        signs = self._state.random.signs if slot.spec.hadamard else None
+        elements, counts = cast_counts(x, q, slot.spec.fp8_max, signs)
         if shard is None or not shard.groups:
             return elements, counts
         import torch.distributed as dist

@@ -12,6 +12,9 @@ import torch
 from torch import Tensor
 
 from scalestate.diagnostics import COUNT_FIELDS
+from scalestate.e2m1 import E2M1_MAX
+from scalestate.math import FLOAT32_MAX
+from scalestate.nvfp4 import NVFP4_BLOCK, hadamard16
 from scalestate.quantized import Orientation, Quantized
 from scalestate.tiles import apply_tile_scales
 
@@ -21,7 +24,7 @@ __all__ = ["COUNT_FIELDS", "cast_counts"]
 _MAGNITUDE_BITS = 0x7F
 
 
-def cast_counts(x: Tensor, q: Quantized, fp8_max: float) -> tuple[int, Tensor]:
+def cast_counts(x: Tensor, q: Quantized, fp8_max: float, signs: Tensor | None = None) -> tuple[int, Tensor]:
     """What one cast did to its elements: ``(elements, counts)``, counted on the device.
 
     ``counts`` is an int64 ``[3]`` tensor: ``saturated``, ``nonzero_inputs``
@@ -40,9 +43,18 @@ def cast_counts(x: Tensor, q: Quantized, fp8_max: float) -> tuple[int, Tensor]:
     own (row-wise, tiles, MX with ``transpose=True``), its elements count too;
     a transposed copy of the same values (per-tensor scales, square blocks)
     does not count twice. No host-device sync.
+
+    NVFP4 (packed orientations): per element scaled by the multiplier ``e_b``
+    of its block, saturated means ``|x * e_b| > 6`` in a block whose E4M3
+    scale is not zero, and a non-zero code one whose value ``q * s_b * S_dec``
+    is not zero (a block scale that flushed to zero flushes its block). A
+    Hadamard-transformed orientation counts the transformed values
+    (``signs``: the transform's, which the manager passes).
     """
     xf = x.detach().float()
     primary, other = q.primary, q.other
+    if primary.packing is not None:
+        return _nvfp4_counts(xf, primary, other, signs)
     n, counts = _orientation(xf, primary, fp8_max)
     if other is not None and primary.tile is not None and primary.tile[0] == 1 and other.tile is not None:
         n_t, counts_t = _orientation(xf.t(), other, fp8_max)
@@ -56,3 +68,29 @@ def _orientation(xf: Tensor, o: Orientation, fp8_max: float) -> tuple[int, Tenso
     nonzero_inputs = torch.count_nonzero(xf)
     nonzero_codes = torch.count_nonzero(torch.bitwise_and(o.data.view(torch.uint8), _MAGNITUDE_BITS))
     return xf.numel(), torch.stack([saturated, nonzero_inputs, nonzero_codes])
+
+
+def _nvfp4_counts(
+    xf: Tensor, primary: Orientation, other: Orientation | None, signs: Tensor | None
+) -> tuple[int, Tensor]:
+    n, counts = _packed(xf, primary)
+    if other is None or primary.tile != (1, NVFP4_BLOCK):  # 16 x 16 blocks: the same values, counted once
+        return n, counts
+    assert other.packing is not None
+    xt = xf.t()
+    if other.packing.hadamard:
+        assert signs is not None, "a Hadamard-transformed cast is counted with the transform's signs"
+        xt = hadamard16(xt, signs)
+    n_t, counts_t = _packed(xt, other)
+    return n + n_t, counts + counts_t
+
+
+def _packed(xf: Tensor, o: Orientation) -> tuple[int, Tensor]:
+    """An NVFP4 orientation's counts. A block whose E4M3 scale flushed to zero (its multiplier is then
+    the float32 max) flushes every element: they count as flushed, not as saturated."""
+    assert o.tile is not None
+    multiplier = apply_tile_scales(torch.ones_like(xf), o.scale, o.tile)
+    saturated = torch.count_nonzero(((xf * multiplier).abs_() > E2M1_MAX) & (multiplier < FLOAT32_MAX))
+    nonzero_inputs = torch.count_nonzero(xf)
+    nonzero_values = torch.count_nonzero(o.dequantize())
+    return xf.numel(), torch.stack([saturated, nonzero_inputs, nonzero_values])

@@ -23,6 +23,7 @@ from scalestate.persist import (
     FORMAT_VERSION,
     MAX_ITERATION,
     PLAIN_TENSOR_TYPES,
+    RANDOM_SINCE,
     ROLE_VALUES,
     TENSOR_KEYS,
     TensorKey,
@@ -43,6 +44,10 @@ class LoadedState:
     iteration: int
     #: One tensor per :data:`TENSOR_KEYS` name.
     tensors: Mapping[str, Tensor]
+    #: The saved seed (``None``: a format without one; the manager keeps its own).
+    seed: int | None = None
+    #: The saved RHT signs, on the state's device (``None`` with ``seed``).
+    signs: Tensor | None = None
 
     @property
     def history(self) -> Tensor:
@@ -84,7 +89,26 @@ def validate(sd: object, state: State, recipe: Recipe) -> LoadedState:
             continue
         value = _tensor(key, values[key.name], shape, saved)
         tensors[key.name] = value[index.to(value.device)].to(state.device)
-    return LoadedState(iteration=iteration, tensors=MappingProxyType(tensors))
+    if version < RANDOM_SINCE:
+        return LoadedState(iteration=iteration, tensors=MappingProxyType(tensors))
+    seed, signs = _check_random(values["seed"], values["rht_signs"])
+    return LoadedState(iteration, MappingProxyType(tensors), seed, signs.to(state.device))
+
+
+def _check_random(seed: object, signs: object) -> tuple[int, Tensor]:
+    """The saved seed and RHT signs, checked: an int in ``[0, 2**63)``, and 16 float32 signs of +-1."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_ITERATION:
+        raise StateDictError(f"seed must be an int in [0, 2**63); got {seed!r} ({type_name(seed)})")
+    if type(signs) not in PLAIN_TENSOR_TYPES or not isinstance(signs, Tensor):
+        raise StateDictError(f"rht_signs must be a float32 tensor of 16 signs; got {type_name(signs)}")
+    if signs.dtype != torch.float32 or tuple(signs.shape) != (16,) or signs.layout != torch.strided or signs.is_meta:
+        raise StateDictError(
+            f"rht_signs must be a dense float32 tensor of shape (16,); got {signs.dtype}, shape {tuple(signs.shape)}"
+        )
+    values = signs.detach().cpu()
+    if not bool(((values == 1.0) | (values == -1.0)).all()):
+        raise StateDictError(f"rht_signs must hold only +1 and -1; got {values.tolist()}")
+    return int(seed), signs.detach().clone()
 
 
 def _readkeys_of(sd: Mapping[Any, Any], version: int) -> dict[str, Any]:

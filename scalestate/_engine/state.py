@@ -8,6 +8,7 @@ from torch import Tensor
 
 from scalestate._engine.cache import WeightCastCache
 from scalestate._engine.debug import RecomputeChecker
+from scalestate._engine.randomness import Randomness
 from scalestate._engine.stepwatch import StepWatch
 from scalestate.backends.base import CastSpec, StepUpdate
 from scalestate.errors import SlotError
@@ -53,7 +54,16 @@ class State:
     unless capacity was reserved beforehand.
     """
 
-    def __init__(self, device: torch.device, history_len: int, *, debug: bool = False, stats: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        history_len: int,
+        *,
+        debug: bool = False,
+        stats: bool = False,
+        seed: int = 0,
+        draws: bool = False,
+    ) -> None:
         self._device = device
         self._history_len = history_len
         self._capacity = 0
@@ -63,6 +73,8 @@ class State:
         self._step_amax = self._alloc(0)
         self._fp8_max = self._alloc(0)
         self._nonfinite = self._alloc_counts(0)
+        #: NVFP4's seed, RHT signs and stochastic-rounding counters.
+        self._random = Randomness(device, seed, counting=draws)
         #: Cast statistics (COUNT_FIELDS per row): this step's, and the last completed step's.
         self._stats = bool(stats)
         self._counts = self._alloc_counts(0, 4)
@@ -125,6 +137,11 @@ class State:
     def casts(self) -> WeightCastCache:
         """Cached weight casts."""
         return self._casts
+
+    @property
+    def random(self) -> Randomness:
+        """NVFP4's seed, RHT signs and stochastic-rounding counters."""
+        return self._random
 
     @property
     def checker(self) -> RecomputeChecker | None:
@@ -264,6 +281,7 @@ class State:
         fp8_max = self._alloc(capacity)
         nonfinite = self._alloc_counts(capacity)
         nonfinite[:n] = self._nonfinite[:n]
+        self._random.grow(capacity, n)
         if self._stats:  # without collect_stats the counters stay empty: growth costs nothing more
             counts, last_counts = self._alloc_counts(capacity, 4), self._alloc_counts(capacity, 4)
             counts[:n], last_counts[:n] = self._counts[:n], self._last_counts[:n]
@@ -286,6 +304,7 @@ class State:
         for i, (role, spec) in enumerate(specs.items()):
             slot = Slot(name, role, spec, first + i, role.direction is Direction.FORWARD, reduce)
             self._fp8_max[slot.row] = spec.fp8_max
+            self._random.add(slot.row, name, role.value)
             self._slots.append(slot)
             added[role] = slot
         return added
@@ -301,6 +320,7 @@ class State:
         self._step_amax = self._step_amax.to(device)
         self._fp8_max = self._fp8_max.to(device)
         self._nonfinite = self._nonfinite.to(device)
+        self._random.to(device)
         self._counts = self._counts.to(device)
         self._last_counts = self._last_counts.to(device)
         self._device = device
@@ -337,7 +357,13 @@ class State:
         return True
 
     def load(
-        self, history: Tensor, scales: Tensor, step_amax: Tensor, iteration: int, nonfinite: Tensor | None = None
+        self,
+        history: Tensor,
+        scales: Tensor,
+        step_amax: Tensor,
+        iteration: int,
+        nonfinite: Tensor | None = None,
+        ordinals: Tensor | None = None,
     ) -> None:
         """Overwrite the values of every slot in place (already validated and ordered);
         what was recorded since the last step is replaced by the loaded ``step_amax``."""
@@ -346,6 +372,7 @@ class State:
         self.step_amax.copy_(step_amax)
         if nonfinite is not None:
             self.nonfinite.copy_(nonfinite)
+        self._random.load(iteration, ordinals, len(self._slots))
         if self._stats:  # cast statistics are not saved: a load starts them afresh
             self._counts.zero_()
             self._last_counts.zero_()
@@ -361,6 +388,7 @@ class State:
         fallback policy), so which rows have history must be read again.
         """
         self._iteration += 1
+        self._random.end_step()
         self._forget_recorded()
         if self._stats:
             self._last_counts.copy_(self._counts)
@@ -372,6 +400,7 @@ class State:
     def discard(self) -> None:
         """Drop everything recorded since the last step, as if it had not run."""
         self.step_amax.zero_()
+        self._random.discard()
         if self._stats:
             self._counts.zero_()
         self._forget_recorded()
