@@ -4,10 +4,10 @@ Compares, in one run on one device: torch.nn.Linear in the input dtype (the
 baseline), and ss.nn.Linear for each recipe asked for on each backend that can
 run it there. Prints milliseconds per iteration and the ratio to the baseline,
 and the bytes the layer saves for backward (activations: the baseline saves
-the high-precision input; ss.nn.Linear saves FP8 data and scales only).
+the high-precision input; ss.nn.Linear saves FP8 (or NVFP4) data and scales only).
 
     python benchmarks/linear.py                        # CPU, 1024 x 1024, 2048 tokens, delayed scaling
-    python benchmarks/linear.py --recipes delayed,current,rowwise,block,mxfp8
+    python benchmarks/linear.py --recipes delayed,current,rowwise,block,mxfp8,nvfp4
     python benchmarks/linear.py --device cuda --dtype bfloat16 --size 8192 --tokens 16384
 """
 
@@ -41,6 +41,7 @@ RECIPES: dict[str, Callable[[], ss.Recipe]] = {
     "rowwise": ss.RowwiseScaling,
     "block": ss.BlockScaling,
     "mxfp8": ss.MXFP8Scaling,
+    "nvfp4": ss.NVFP4Scaling,
 }
 
 

@@ -53,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
         "--recipe", choices=RECIPE_NAMES, default="delayed",
         help=(
             "FP8 scaling recipe: delayed or current (one scale per tensor), rowwise (one per row), "
-            "block (1 x B tiles, B x B weight blocks), mxfp8 (one E8M0 power of two per 32 elements); "
-            "see docs/recipes.md"
+            "block (1 x B tiles, B x B weight blocks), mxfp8 (one E8M0 power of two per 32 elements), "
+            "nvfp4 (4-bit E2M1 with E4M3 scales per 16 elements; first block and head kept in high "
+            "precision); see docs/recipes.md"
         ),
     )
     demo.add_argument("--history-len", type=int, default=16, help="amax history of delayed scaling")

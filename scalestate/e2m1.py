@@ -26,6 +26,7 @@ __all__ = [
     "Packing",
     "decode_e2m1",
     "encode_e2m1",
+    "nearest_codes",
     "pack_e2m1",
     "round_e2m1",
     "stochastic_round_e2m1",
@@ -96,6 +97,28 @@ def encode_e2m1(q: Tensor) -> Tensor:
     magnitude = torch.nan_to_num(magnitude, nan=0.0).to(torch.uint8)
     sign = torch.where(torch.signbit(q) & ~torch.isnan(q), 8, 0).to(torch.uint8)
     return magnitude | sign
+
+
+#: The magnitudes above which round-to-nearest-even gives each next code: the midpoints of the
+#: grid, those whose tie goes up (0.75, 1.75, 3.5) lowered by one float32 ulp, so that the
+#: count of boundaries strictly below ``|v|`` is the code.
+_BOUNDARIES = (0.25, 0.74999994, 1.25, 1.7499999, 2.5, 3.4999998, 5.0)
+_boundaries: dict[torch.device, Tensor] = {}
+
+
+def nearest_codes(v: Tensor) -> Tensor:
+    """``encode_e2m1(round_e2m1(v))`` in a few operations (a search of the grid's midpoints).
+
+    ``v`` in ``[-6, 6]``; NaN becomes code 0, ``-0`` code 8.
+    """
+    boundaries = _boundaries.get(v.device)
+    if boundaries is None or torch.compiler.is_compiling():
+        boundaries = torch.tensor(_BOUNDARIES, dtype=torch.float32, device=v.device)
+        if not torch.compiler.is_compiling():
+            _boundaries[v.device] = boundaries
+    w = torch.nan_to_num(v, nan=0.0)
+    magnitude = torch.bucketize(w.abs().contiguous(), boundaries).to(torch.uint8)
+    return magnitude | (torch.signbit(w).to(torch.uint8) << 3)
 
 
 def decode_e2m1(codes: Tensor) -> Tensor:

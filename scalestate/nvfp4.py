@@ -18,9 +18,10 @@ For a tensor ``x`` with per-tensor amax ``A``, in float32 (docs/recipes.md):
   2-d weights; the last block of a row may be partial):
   ``s_b = e4m3(clamp(max|x_b| / 6 * S_enc, -448, 448))``, stored;
   ``e_b = min(1 / (s_b * S_dec), float32 max)``, the multiplier applied;
-* ``q = round_e2m1(clamp(x * e_b, -6, 6))`` (:func:`round_e2m1`, or
-  :func:`stochastic_round_e2m1`), stored packed two per byte
-  (:func:`pack_e2m1`), the first value of a pair in the low nibble;
+* ``q = round_e2m1(clamp(x * e_b, -6, 6))`` (:func:`scalestate.e2m1.round_e2m1`,
+  or :func:`scalestate.e2m1.stochastic_round_e2m1`), stored packed two per
+  byte (:func:`scalestate.e2m1.pack_e2m1`), the first value of a pair in the
+  low nibble;
 * ``dequantize = q * (s_b * S_dec)``.
 
 Example:
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scalestate.e2m1 import E2M1_MAX, Packing, encode_e2m1, pack_e2m1, round_e2m1, stochastic_round_e2m1
+from scalestate.e2m1 import E2M1_MAX, Packing, encode_e2m1, nearest_codes, pack_e2m1, stochastic_round_e2m1
 from scalestate.errors import CastError
 from scalestate.finegrained import FineQuantized
 from scalestate.math import FLOAT32_MAX, ScaleRule, scale_from_amax
@@ -114,23 +115,31 @@ def stream_key(base: Tensor | int, *words: Tensor | int) -> Tensor | int:
     """Fold 32-bit ``words`` into ``base``: ``h = mix32(h ^ word)`` for each (int64 tensors or ints)."""
     h = base
     for word in words:
-        h = mix32(h ^ word) if isinstance(h, Tensor) or isinstance(word, Tensor) else _mix_int(h ^ word)  # type: ignore[operator,arg-type]
+        if isinstance(h, int) and isinstance(word, int):
+            h = _mix_int(h ^ word)
+        elif isinstance(h, Tensor):
+            h = mix32(h ^ word)
+        else:
+            assert isinstance(word, Tensor)
+            h = mix32(word ^ h)
     return h
 
 
 def random_bits(key: Tensor, shape: tuple[int, ...], salt: int) -> Tensor:
     """24 random bits per element of ``shape`` (int64 in ``[0, 2**24)``), from a 0-d int64 ``key``.
 
-    Element ``i`` (row-major) gets ``mix32(mix32(k ^ lo(i)) ^ hi(i)) >> 8`` with
-    ``k = mix32(key ^ salt)`` and ``lo``, ``hi`` the 32-bit halves of ``i``:
-    the same bits on every device, for any tensor size.
+    Element ``i`` (row-major) gets ``h >> 8`` with ``h = mix32(k ^ lo(i))``,
+    then ``h = mix32(h ^ hi(i))`` where ``hi(i) > 0``; ``k = mix32(key ^ salt)``
+    and ``lo``, ``hi`` are the 32-bit halves of ``i``: the same bits on every
+    device, and an element's bits depend on its index alone, not on the size.
     """
     k = mix32(key ^ salt)
     n = math.prod(shape)
     index = torch.arange(n, dtype=torch.int64, device=key.device)
-    h = mix32(k ^ (index & _M32))
-    if n > _M32:
-        h = mix32(h ^ (index >> 32))
+    h = mix32(k ^ (index & _M32 if n > _M32 else index))
+    if n > _M32:  # elements past 2**32 fold their high half in too
+        high = index >> 32
+        h = torch.where(high > 0, mix32(h ^ high), h)
     return (h >> 8).reshape(shape)
 
 
@@ -278,10 +287,11 @@ def _amax(xf: Tensor) -> Tensor:
     return xf.abs().amax() if xf.numel() else xf.new_zeros(())
 
 
-def _round(v: Tensor, sr_key: Tensor | None, salt: int) -> Tensor:
+def _codes(v: Tensor, sr_key: Tensor | None, salt: int) -> Tensor:
+    """The E2M1 codes of ``v``: rounded to nearest even, or stochastically with ``sr_key``'s bits."""
     if sr_key is None:
-        return round_e2m1(v)
-    return stochastic_round_e2m1(v, random_bits(sr_key, tuple(v.shape), salt))
+        return nearest_codes(v)
+    return encode_e2m1(stochastic_round_e2m1(v, random_bits(sr_key, tuple(v.shape), salt)))
 
 
 def _rows(xf: Tensor, s_enc: Tensor, sr_key: Tensor | None, salt: int, *, hadamard: bool) -> Orientation:
@@ -294,7 +304,7 @@ def _rows(xf: Tensor, s_enc: Tensor, sr_key: Tensor | None, salt: int, *, hadama
     blocks = x2.reshape(rows, nb, NVFP4_BLOCK)
     s_b, e_b = block_scales(blocks.abs().amax(dim=-1), s_enc)
     v = (blocks * e_b.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX).reshape(rows, nb * NVFP4_BLOCK)[:, :k]
-    codes = encode_e2m1(_round(v.reshape(xf.shape), sr_key, salt))
+    codes = _codes(v.reshape(xf.shape), sr_key, salt)
     shape = (*lead, nb)
     return Orientation(
         pack_e2m1(codes), e_b.reshape(shape), s_b.reshape(shape), (1, NVFP4_BLOCK), torch.reciprocal(s_enc),
@@ -313,7 +323,7 @@ def _blocks(xf: Tensor, s_enc: Tensor, sr_key: Tensor | None) -> tuple[Orientati
     s_b, e_b = block_scales(tiles.abs().amax(dim=(2, 4)), s_enc)
     v = (tiles * e_b[:, :, None, :, None]).clamp(-E2M1_MAX, E2M1_MAX)
     v = v.reshape(batch, mt * NVFP4_BLOCK, kt * NVFP4_BLOCK)[:, :m, :k]
-    codes = encode_e2m1(_round(v.reshape(xf.shape), sr_key, 0))
+    codes = _codes(v.reshape(xf.shape), sr_key, 0)
     shape = (*lead, mt, kt)
     tile = (NVFP4_BLOCK, NVFP4_BLOCK)
     primary = Orientation(

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from scalestate.e2m1 import Packing, decode_e2m1, unpack_e2m1
 from scalestate.errors import CastError, ReadOnlyError
+from scalestate.math import FLOAT32_MAX
 from scalestate.tiles import apply_tile_scales
 from scalestate.tiles import dequantize as tile_dequantize
 
@@ -94,10 +95,11 @@ class Orientation(NamedTuple):
         return tile_dequantize(self.data, self.scale_inv, self.tile).to(dtype)
 
     def tensors(self) -> tuple[Tensor, ...]:
-        """Its tensors: ``data, scale, scale_inv`` (and ``tensor_scale_inv`` for NVFP4)."""
+        """Its tensors: ``data, scale, scale_inv``; NVFP4: ``data, scale_inv, tensor_scale_inv``
+        (``scale`` follows from those two exactly, so it is not kept: 4 bytes per 16 elements)."""
         if self.tensor_scale_inv is None:
             return self.data, self.scale, self.scale_inv
-        return self.data, self.scale, self.scale_inv, self.tensor_scale_inv
+        return self.data, self.scale_inv, self.tensor_scale_inv
 
 
 class QuantizedLayout(NamedTuple):
@@ -109,7 +111,7 @@ class QuantizedLayout(NamedTuple):
     has_other: bool
     #: The tile of the second orientation (``None`` when there is none or it is per tensor).
     other_tile: Tile
-    #: NVFP4: the packing of the first orientation (a fourth tensor, ``tensor_scale_inv``, follows its three).
+    #: NVFP4: the packing of the first orientation (its tensors: data, ``scale_inv``, ``tensor_scale_inv``).
     packing: Packing | None = None
     #: NVFP4: the packing of the second orientation.
     other_packing: Packing | None = None
@@ -247,9 +249,11 @@ class Quantized:
         return self._other
 
     def flatten(self) -> tuple[tuple[Tensor, ...], QuantizedLayout]:
-        """The tensors of this quantization (3 per orientation, 4 for NVFP4) and what rebuilds it.
+        """The tensors of this quantization (3 per orientation) and what rebuilds it.
 
-        ``Quantized.unflatten(*q.flatten())`` holds the very same tensors.
+        ``Quantized.unflatten(*q.flatten())`` holds the very same tensors; for
+        NVFP4 its ``scale`` (the multipliers ``e_b``) is derived again from
+        ``scale_inv`` and ``tensor_scale_inv``, bit for bit the cast's.
         """
         p, o = self._primary, self._other
         if o is None:
@@ -259,9 +263,8 @@ class Quantized:
     @staticmethod
     def unflatten(tensors: tuple[Tensor, ...], layout: QuantizedLayout) -> Quantized:
         """The ``Quantized`` that :meth:`flatten` gave ``tensors`` and ``layout`` for."""
-        n = 3 if layout.packing is None else 4
-        primary = _orientation(tensors[:n], layout.tile, layout.packing)
-        other = _orientation(tensors[n:], layout.other_tile, layout.other_packing) if layout.has_other else None
+        primary = _orientation(tensors[:3], layout.tile, layout.packing)
+        other = _orientation(tensors[3:], layout.other_tile, layout.other_packing) if layout.has_other else None
         return Quantized.of(primary, other)
 
     # ----------------------------------------------------------------- public fields
@@ -376,7 +379,9 @@ class Quantized:
 def _orientation(tensors: tuple[Tensor, ...], tile: Tile, packing: Packing | None) -> Orientation:
     if packing is None:
         return Orientation(tensors[0], tensors[1], tensors[2], tile)
-    return Orientation(tensors[0], tensors[1], tensors[2], tile, tensors[3], packing)
+    data, s_b, s_dec = tensors
+    e_b = torch.div(1.0, s_b.float() * s_dec).clamp(max=FLOAT32_MAX)  # as scalestate.nvfp4.block_scales
+    return Orientation(data, e_b, s_b, tile, s_dec, packing)
 
 
 def _t(scale: Tensor) -> Tensor:

@@ -23,7 +23,12 @@ import scalestate as ss
 from scalestate.errors import PhaseError, ReductionError, ScaleStateError, SlotMismatchError
 
 I, W, G = ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT
-RECIPES = {"delayed": ss.DelayedScaling(history_len=4), "current": ss.CurrentScaling()}
+RECIPES = {
+    "delayed": ss.DelayedScaling(history_len=4),
+    "current": ss.CurrentScaling(),
+    # the per-tensor amaxes ride the one all-reduce; the RHT signs must be equal on every rank
+    "nvfp4": ss.NVFP4Scaling(global_scale="delayed", history_len=4),
+}
 
 
 def _by_slot(manager: ss.ScalingStateManager) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
@@ -343,6 +348,7 @@ def _ddp_worker(rank: int, world: int) -> dict[str, Any]:
     out = {}
     for label, recipe in RECIPES.items():
         m = ss.ScalingStateManager(recipe, backend="emulation")
+        out[f"{label}/rht_signs"] = m.rht_signs()
         model = DDP(_ddp_model(m))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         steps = []
@@ -359,21 +365,25 @@ def _ddp_worker(rank: int, world: int) -> dict[str, Any]:
             local = {key: v["step_amax"].clone() for key, v in _by_slot(m).items()}
             opt.step()
             opt.zero_grad()
-            m.step()
+            _, issued = collectives(m.step)
             params = torch.cat([p.detach().flatten() for p in model.parameters()])
-            steps.append({"local": local, "after": _by_slot(m), "params": params})
+            steps.append({"local": local, "after": _by_slot(m), "params": params, "collectives": issued})
         out[label] = steps
     return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_microbatches_and_checkpointing(world):
-    results = run_ranks(_ddp_worker, world, timeout=120.0)
+    results = run_ranks(_ddp_worker, world, timeout=180.0)
     for label in RECIPES:
+        assert all(torch.equal(r[f"{label}/rht_signs"], results[0][f"{label}/rht_signs"]) for r in results)
         for step in range(4):
             per_rank = [r[label][step] for r in results]
             for rank, r in enumerate(per_rank):
                 assert torch.equal(r["params"], per_rank[0]["params"]), (label, step, rank)
+                # the first step also agrees on the slots (two all_gathers), as in the test above
+                want = ["gloo:all_reduce"] if step else ["gloo:all_gather", "gloo:all_gather", "gloo:all_reduce"]
+                assert r["collectives"] == want, (label, step, rank, r["collectives"])
             for key in per_rank[0]["after"]:
                 expected = max(r["local"][key] for r in per_rank)
                 for rank, r in enumerate(per_rank):

@@ -124,7 +124,8 @@ def _run(args: argparse.Namespace, cfg: DemoConfig, recipe: ss.Recipe) -> int:
     if not args.no_fp32:
         ref = runs[0]
         delta = ckpt.val_loss - ref.val_loss
-        say(f"\n  FP8 vs fp32 held-out loss: {delta:+.4f} ({100 * delta / ref.val_loss:+.2f}%)")
+        low = "NVFP4" if isinstance(recipe, ss.NVFP4Scaling) else "FP8"
+        say(f"\n  {low} vs fp32 held-out loss: {delta:+.4f} ({100 * delta / ref.val_loss:+.2f}%)")
     checks = compare(ckpt, plain)
     say("\n  checkpointed vs plain FP8, bitwise (torch.equal):")
     for what, ok in checks.items():
@@ -163,6 +164,12 @@ def _layout_line(cfg: DemoConfig, recipe: ss.Recipe) -> str:
             what += f"; {b}, not {FULL_BLOCK}: --d-model is {cfg.d_model}"
     elif isinstance(recipe, ss.MXFP8Scaling):
         what = "one E8M0 power of two per 32 elements along each product's contraction dimension"
+    elif isinstance(recipe, ss.NVFP4Scaling):
+        what = (
+            "E2M1 values, one E4M3 scale per 16 elements (16 x 16 weight blocks) and one float32 per tensor; "
+            "random Hadamard transform and stochastic rounding from the manager's seed\n"
+            "  kept:    blocks.0 and head in high precision (NVIDIA's recipe keeps the first and last layers)"
+        )
     else:
         return ""
     return f"  scales:  {what}\n"

@@ -17,10 +17,10 @@ from scalestate.demo.progress import Progress
 from scalestate.errors import ArgumentValueError
 from scalestate.testing import TinyLM
 
-__all__ = ["RECIPE_NAMES", "DemoConfig", "RecipeName", "RunResult", "train"]
+__all__ = ["RECIPE_NAMES", "DemoConfig", "RecipeName", "RunResult", "high_precision_ends", "train"]
 
 #: What ``scalestate demo --recipe`` takes.
-RecipeName = Literal["delayed", "current", "rowwise", "block", "mxfp8"]
+RecipeName = Literal["delayed", "current", "rowwise", "block", "mxfp8", "nvfp4"]
 RECIPE_NAMES: tuple[str, ...] = get_args(RecipeName)
 #: Tile edge of ``BlockScaling`` at full size (DeepSeek-V3's).
 FULL_BLOCK = 128
@@ -49,7 +49,8 @@ class DemoConfig:
     #: scalestate backend of the FP8 runs.
     backend: str = "emulation"
     #: The FP8 recipe: ``"delayed"`` or ``"current"`` (one scale per tensor),
-    #: ``"rowwise"``, ``"block"`` or ``"mxfp8"`` (fine-grained, just in time).
+    #: ``"rowwise"``, ``"block"`` or ``"mxfp8"`` (fine-grained, just in time), or
+    #: ``"nvfp4"`` (4-bit; the first block and the head stay in high precision).
     recipe: RecipeName = "delayed"
     #: Amax history length of delayed scaling.
     history_len: int = 16
@@ -75,6 +76,8 @@ class DemoConfig:
             return ss.BlockScaling(block=self.block_size())
         if self.recipe == "mxfp8":
             return ss.MXFP8Scaling()
+        if self.recipe == "nvfp4":
+            return ss.NVFP4Scaling()
         if self.recipe == "delayed":
             return ss.DelayedScaling(history_len=self.history_len)
         raise ArgumentValueError(f"recipe must be one of {', '.join(RECIPE_NAMES)}; got {self.recipe!r}")
@@ -132,8 +135,9 @@ def train(
     )
     manager = None
     if fp8:
-        manager = ss.ScalingStateManager(cfg.make_recipe(), backend=cfg.backend, device="cpu")
-        ss.nn.convert(model, manager)
+        recipe = cfg.make_recipe()
+        manager = ss.ScalingStateManager(recipe, backend=cfg.backend, device="cpu")
+        ss.nn.convert(model, manager, filter_fn=high_precision_ends if isinstance(recipe, ss.NVFP4Scaling) else None)
     net: torch.nn.Module = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -183,6 +187,17 @@ def train(
         scaling=scaling,
         across_ranks=_agreement(params, scaling) if world > 1 else None,
     )
+
+
+def high_precision_ends(path: str, module: torch.nn.Module) -> bool:
+    """The demo's ``filter_fn`` for NVFP4: every layer but those of the first block and the head.
+
+    NVIDIA's NVFP4 recipe keeps the first and the last layers of the network in
+    high precision (they are the most sensitive to quantization and a small part
+    of the compute); the demo's model is 4 blocks deep, so it keeps the first
+    block and the output head.
+    """
+    return not (path.startswith("blocks.0.") or path == "head")
 
 
 def _agreement(params: dict[str, Tensor], scaling: dict[str, Any] | None) -> dict[str, bool]:

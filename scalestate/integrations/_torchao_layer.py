@@ -19,7 +19,7 @@ from scalestate.errors import ConversionError, ConversionTypeError, MissingDepen
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.nn.base import WeightSlotModule
-from scalestate.recipe import Format, Role
+from scalestate.recipe import Format, NVFP4Scaling, Role
 
 try:
     from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
@@ -202,6 +202,7 @@ def check_config(config: Float8LinearConfig, manager: ScalingStateManager) -> No
             "ss.DelayedScaling or ss.CurrentScaling here, or keep the fine-grained recipe with scalestate's "
             "own layers: ss.nn.convert(model, manager)"
         )
+    assert not isinstance(recipe, NVFP4Scaling)  # it scales blocks: refused above
     for fields in CAST_CONFIGS.values():
         for field in fields:
             cast = getattr(config, field)
