@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 import scalestate as ss
+from scalestate.testing import saved_for_backward_bytes
 
 
 def _time(fn: Callable[[], None], device: torch.device, iters: int, warmup: int = 3) -> float:
@@ -43,21 +44,6 @@ RECIPES: dict[str, Callable[[], ss.Recipe]] = {
     "mxfp8": ss.MXFP8Scaling,
     "nvfp4": ss.NVFP4Scaling,
 }
-
-
-def _saved_bytes(step: Callable[[], None]) -> int:
-    """Bytes of the tensors autograd saves for backward during one step (parameters excluded)."""
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        if not isinstance(t, torch.nn.Parameter):
-            total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return total
 
 
 def main() -> None:
@@ -88,7 +74,7 @@ def main() -> None:
         return step
 
     base = torch.nn.Linear(args.size, args.size, device=device, dtype=dtype)
-    rows = [("torch.nn.Linear", _time(step_of(base), device, args.iters), _saved_bytes(step_of(base)))]
+    rows = [("torch.nn.Linear", _time(step_of(base), device, args.iters), saved_for_backward_bytes(step_of(base)))]
     for name, (ok, reason) in ss.backends.available_backends(device).items():
         for recipe_name in recipes:
             label = f"ss.nn.Linear[{recipe_name}, {name}]"
@@ -99,7 +85,7 @@ def main() -> None:
             layer = ss.nn.Linear(args.size, args.size, manager=manager, device=device, dtype=dtype)
             layer.load_state_dict(base.state_dict())
             try:
-                saved = _saved_bytes(step_of(layer))
+                saved = saved_for_backward_bytes(step_of(layer))
             except ss.errors.BackendUnavailableError as e:
                 print(f"  ({label} skipped: {e})")
                 continue

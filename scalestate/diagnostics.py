@@ -70,6 +70,9 @@ LOW_HEADROOM_BITS = 1.0
 _ROUNDING_BITS = {
     fp8_max(dtype): -math.log2(1 - torch.finfo(dtype).eps / 2) for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 }
+#: NVFP4 (its slots' maximum is 448 * 6, what the per-tensor scale maps amaxes onto): E2M1's top step, 6 to 4,
+#: a clip to 3/4 of the value above 5 (0.415 bits).
+_ROUNDING_BITS[448.0 * 6.0] = -math.log2(0.75)
 
 #: The columns of the per-slot counters, in order (int64, summed over a step's recorded casts).
 COUNT_FIELDS = ("elements", "saturated", "nonzero_inputs", "nonzero_codes")

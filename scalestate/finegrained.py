@@ -79,6 +79,7 @@ __all__ = [
     "Granularity",
     "GranularityKind",
     "apply_tile_scales",
+    "check_input",
     "dequantize",
     "e8m0_from_exponent",
     "e8m0_to_float32",
@@ -168,7 +169,7 @@ def quantize_rowwise(
         columnwise: also quantize ``x.t()`` row-wise (one scale per column of ``x``).
     """
     fp8_max = _fp8_max(dtype)
-    _check_input(x, 1, columnwise, "quantize_rowwise")
+    check_input(x, 1, columnwise, "quantize_rowwise")
     rule = _RULES[power_of_2]
     row, amax = _lastdim(x, fp8_max, dtype, rule, block=max(x.shape[-1], 1), n_tiles=1, tile=(1, x.shape[-1]))
     if not columnwise:
@@ -190,7 +191,7 @@ def quantize_tiles(
         columnwise: also quantize ``x.t()`` in ``1 x block`` tiles (``block x 1`` tiles of ``x``).
     """
     fp8_max = _fp8_max(dtype)
-    _check_input(x, 1, columnwise, "quantize_tiles")
+    check_input(x, 1, columnwise, "quantize_tiles")
     _check_block(block)
     rule = _RULES[power_of_2]
     row, amax = _lastdim(x, fp8_max, dtype, rule, block=block, n_tiles=-(-x.shape[-1] // block), tile=(1, block))
@@ -218,7 +219,7 @@ def quantize_blocks(
         columnwise: also return the contiguous transpose of the data.
     """
     fp8_max = _fp8_max(dtype)
-    _check_input(w, 2, columnwise, "quantize_blocks")
+    check_input(w, 2, columnwise, "quantize_blocks")
     _check_block(block)
     *lead, m, k = w.shape
     mt, kt = -(-m // block), -(-k // block)
@@ -256,7 +257,7 @@ def quantize_mx(
         columnwise: also quantize ``x.t()`` (blocks of 32 down the columns of ``x``).
     """
     fp8_max = _fp8_max(dtype)
-    _check_input(x, 1, columnwise, "quantize_mx")
+    check_input(x, 1, columnwise, "quantize_mx")
     _check_block(block)
     row, amax = _lastdim(x, fp8_max, dtype, None, block=block, n_tiles=-(-x.shape[-1] // block), tile=(1, block))
     if not columnwise:
@@ -360,7 +361,8 @@ def _fp8_max(dtype: torch.dtype) -> float:
         ) from None
 
 
-def _check_input(x: Tensor, min_dim: int, columnwise: bool, name: str) -> None:
+def check_input(x: Tensor, min_dim: int, columnwise: bool, name: str) -> None:
+    """The shapes a fine-grained cast named ``name`` takes (raises :class:`~scalestate.errors.CastError`)."""
     if not x.is_floating_point():
         raise CastError(f"{name} needs a floating-point tensor; got {x.dtype}")
     if x.dim() < min_dim:

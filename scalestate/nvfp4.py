@@ -42,8 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from scalestate.e2m1 import E2M1_MAX, Packing, encode_e2m1, nearest_codes, pack_e2m1, stochastic_round_e2m1
-from scalestate.errors import CastError
-from scalestate.finegrained import FineQuantized
+from scalestate.finegrained import FineQuantized, check_input
 from scalestate.math import FLOAT32_MAX, ScaleRule, scale_from_amax
 from scalestate.quantized import Orientation
 
@@ -200,20 +199,6 @@ def block_scales(block_amax: Tensor, s_enc: Tensor) -> tuple[Tensor, Tensor]:
     return s_b, e_b
 
 
-def check_input(x: Tensor, columnwise: bool, two_d: bool) -> None:
-    """The shapes an NVFP4 cast takes (raises :class:`~scalestate.errors.CastError`)."""
-    if not x.is_floating_point():
-        raise CastError(f"an NVFP4 cast needs a floating-point tensor; got {x.dtype}")
-    need = 2 if two_d else 1
-    if x.dim() < need:
-        raise CastError(f"an NVFP4 cast needs a tensor of at least {need} dimension(s); got shape {tuple(x.shape)}")
-    if columnwise and x.dim() != 2:
-        raise CastError(
-            f"an NVFP4 cast with its columnwise orientation needs a 2-d tensor; got shape {tuple(x.shape)}; "
-            "flatten the leading dimensions first: x.reshape(-1, x.shape[-1])"
-        )
-
-
 # ------------------------------------------------------------------ the cast
 def quantize_nvfp4(
     x: Tensor,
@@ -254,7 +239,7 @@ def quantize_nvfp4(
             :func:`random_bits` of it (salt 0 for ``x``, 1 for ``x.t()``);
             ``None``: round to nearest even.
     """
-    check_input(x, columnwise, two_d)
+    check_input(x, 2 if two_d else 1, columnwise, "quantize_nvfp4")
     xf = x.float()
     if amax is None:
         amax = _amax(xf)

@@ -17,7 +17,7 @@ from scalestate.cli import main
 from scalestate.demo.data import corpus, decode, encode
 from scalestate.demo.progress import Progress
 from scalestate.demo.run import compare
-from scalestate.demo.train import RECIPE_NAMES, DemoConfig, train
+from scalestate.demo.train import RECIPE_NAMES, DemoConfig, high_precision_ends, train
 
 TINY = ["--steps", "3", "--microbatches", "2", "--microbatch-size", "2", "--seq-len", "16",
         "--d-model", "32", "--layers", "1", "--heads", "2", "--quiet"]
@@ -30,14 +30,15 @@ class TestDemo:
             ("delayed", "emulation"), ("delayed", "scaled_mm"),
             ("current", "emulation"), ("current", "scaled_mm"),
             ("rowwise", "emulation"), ("rowwise", "scaled_mm"),  # torch's CPU scaled_mm takes row-wise scales
-            ("block", "emulation"), ("mxfp8", "emulation"),
+            ("block", "emulation"), ("mxfp8", "emulation"), ("nvfp4", "emulation"),
         ],
     )
     def test_tiny_run_reports_bitwise_parity(self, capsys, recipe, backend):
         """A tiny demo runs all three trainings and reports bitwise equality."""
         assert main(["demo", *TINY, "--recipe", recipe, "--backend", backend]) == 0
         out = capsys.readouterr().out
-        for line in ("fp32", "fp8 + checkpointing", "fp8, no checkpointing", "FP8 vs fp32"):
+        low = "NVFP4" if recipe == "nvfp4" else "FP8"
+        for line in ("fp32", "fp8 + checkpointing", "fp8, no checkpointing", f"{low} vs fp32"):
             assert line in out
         assert out.count("EQUAL") == 4 and "DIFFERENT" not in out and "OK:" in out
 
@@ -48,6 +49,7 @@ class TestDemo:
             ("current", ("CurrentScaling(",)),
             ("rowwise", ("RowwiseScaling(", "one scale per row")),
             ("mxfp8", ("MXFP8Scaling(", "one E8M0 power of two per 32 elements")),
+            ("nvfp4", ("NVFP4Scaling(", "one E4M3 scale per 16 elements", "kept:    head in high precision")),
         ],
     )
     def test_report_names_the_recipe_and_its_scales(self, capsys, recipe, names):
@@ -78,12 +80,23 @@ class TestDemo:
         out = capsys.readouterr().out
         assert "block=16," in out and "1 x 16 tiles" in out and "not 128" not in out
 
+    def test_nvfp4_keeps_the_ends_in_high_precision(self):
+        """The NVFP4 demo converts every layer but the first block's and the head (only the head at depth 1)."""
+        cfg = DemoConfig(steps=1, microbatches=1, microbatch_size=2, seq_len=16, d_model=32, n_layers=3,
+                         n_heads=2, recipe="nvfp4")
+        run = train(cfg, fp8=True, checkpoint=False, label="nvfp4", show_progress=False)
+        assert run.scaling is not None
+        names = {name for name, _ in run.scaling["slots"]}
+        assert names == {f"blocks.{b}.{layer}" for b in (1, 2) for layer in ("qkv", "proj", "fc1", "fc2")}
+        keep = high_precision_ends(1)
+        assert not keep("head", torch.nn.Linear(1, 1)) and keep("blocks.0.qkv", torch.nn.Linear(1, 1))
+
     def test_make_recipe(self):
         """Each --recipe name makes its recipe; the block edge is 128 unless the model is narrower."""
         made = {name: type(DemoConfig(recipe=name).make_recipe()) for name in RECIPE_NAMES}
         assert made == {
             "delayed": ss.DelayedScaling, "current": ss.CurrentScaling, "rowwise": ss.RowwiseScaling,
-            "block": ss.BlockScaling, "mxfp8": ss.MXFP8Scaling,
+            "block": ss.BlockScaling, "mxfp8": ss.MXFP8Scaling, "nvfp4": ss.NVFP4Scaling,
         }
         widths = {128: 128, 512: 128, 96: 64, 64: 64, 32: 32, 1: 1}
         for d_model, block in widths.items():
@@ -126,11 +139,11 @@ class TestDemo:
             main(["demo", *TINY, "--recipe", "block", "--block", "0"])
 
     def test_bad_recipe(self, capsys):
-        """An unknown --recipe is a usage error that lists the five."""
+        """An unknown --recipe is a usage error that lists the six."""
         with pytest.raises(SystemExit) as exc:
             main(["demo", *TINY, "--recipe", "tensorwise"])
         assert exc.value.code == 2
-        assert "delayed, current, rowwise, block, mxfp8" in capsys.readouterr().err.replace("'", "")
+        assert "delayed, current, rowwise, block, mxfp8, nvfp4" in capsys.readouterr().err.replace("'", "")
 
     def test_compare_detects_difference(self):
         """The report's comparison is bitwise: one changed bit in one parameter is DIFFERENT."""

@@ -9,6 +9,7 @@ with ties to the even code), not by torch's casts.
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch
 import scalestate as ss
 from scalestate.e2m1 import encode_e2m1, nearest_codes, round_e2m1, stochastic_round_e2m1
 from scalestate.nvfp4 import hadamard16, quantize_nvfp4, random_bits, rht_signs, tensor_scale
-from scalestate.testing import sqnr
+from scalestate.testing import saved_for_backward_bytes, sqnr
 
 F32 = np.float32
 F32_MAX = np.finfo(np.float32).max
@@ -56,8 +57,62 @@ def _ref_s_enc(amax: np.float32) -> np.float32:
     return F32(1.0) if s == 0 else F32(s)
 
 
-def _ref_rows(x: np.ndarray, s_enc: np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(dequantized, s_b, values q)`` of 1 x 16 blocks along the last dim of a 2-d float32 array."""
+def _ref_mix(h: np.ndarray | int) -> np.ndarray:
+    """The documented 32-bit hash, in uint64 (the products stay below 2**59)."""
+    h = np.asarray(h, dtype=np.uint64)
+    m, c = np.uint64(0xFFFFFFFF), np.uint64(0x45D9F3B)
+    h = h ^ (h >> np.uint64(16))
+    h = (h * c) & m
+    h = h ^ (h >> np.uint64(16))
+    h = (h * c) & m
+    return h ^ (h >> np.uint64(16))
+
+
+def _ref_key(seed: int, name: str, role: str, iteration: int, ordinal: int) -> np.ndarray:
+    """The documented key of a stochastically rounded cast."""
+    h = _ref_mix(_ref_mix(seed & 0xFFFFFFFF) ^ np.uint64(seed >> 32))
+    for word in (zlib.crc32(f"{name}\0{role}".encode()), iteration & 0xFFFFFFFF, iteration >> 32, ordinal):
+        h = _ref_mix(h ^ np.uint64(word))
+    return h
+
+
+def _ref_bits(key: np.ndarray, n: int, salt: int) -> np.ndarray:
+    k = _ref_mix(key ^ np.uint64(salt))
+    return (_ref_mix(k ^ np.arange(n, dtype=np.uint64)) >> np.uint64(8)).astype(np.float64)
+
+
+def _ref_sr(v: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """Stochastic rounding onto the grid: up with probability (|v| - lo) / (hi - lo), from 24 bits."""
+    a = np.abs(v).astype(np.float64)
+    idx = np.clip(np.searchsorted(E2M1_GRID, a, side="right") - 1, 0, 7)
+    lo = E2M1_GRID[idx].astype(np.float64)
+    hi = E2M1_GRID[np.minimum(idx + 1, 7)].astype(np.float64)
+    frac = np.where(hi > lo, (a - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0)
+    q = np.where(bits.reshape(v.shape) * 2.0**-24 < frac, hi, lo).astype(np.float32)
+    q = np.where(np.isnan(v), np.float32(0.0), q)
+    return np.where(np.signbit(v) & ~np.isnan(v), -q, q).astype(np.float32)
+
+
+def _ref_hadamard(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """The documented transform in float32: signs, four butterfly stages, / 4; a partial chunk untouched."""
+    rows, k = x.shape
+    whole = k - k % 16
+    v = (x[:, :whole].reshape(-1, 16) * signs).astype(np.float32)
+    h = 1
+    while h < 16:
+        pairs = v.reshape(v.shape[0], 16 // (2 * h), 2, h)
+        v = np.stack([pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]], axis=2).reshape(-1, 16)
+        h *= 2
+    out = x.copy()
+    out[:, :whole] = (v / np.float32(4.0)).reshape(rows, whole)
+    return out
+
+
+def _ref_rows(
+    x: np.ndarray, s_enc: np.float32, bits: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(dequantized, s_b, values q)`` of 1 x 16 blocks along the last dim of a 2-d float32 array
+    (``bits``: round stochastically with them, one per element of ``x``)."""
     rows, k = x.shape
     nb = -(-k // 16)
     xp = np.zeros((rows, nb * 16), np.float32)
@@ -70,7 +125,12 @@ def _ref_rows(x: np.ndarray, s_enc: np.float32) -> tuple[np.ndarray, np.ndarray,
         s_b = _ref_e4m3(np.clip(d, -448, 448).astype(np.float32))
         e_b = np.minimum(F32(1.0) / (s_b * s_dec), F32_MAX).astype(np.float32)
         v = np.clip(blocks * e_b[..., None], -6, 6).astype(np.float32)
-        q = _ref_e2m1(v)
+        if bits is None:
+            q = _ref_e2m1(v)
+        else:
+            q = np.zeros_like(v).reshape(rows, nb * 16)
+            q[:, :k] = _ref_sr(v.reshape(rows, nb * 16)[:, :k], bits)
+            q = q.reshape(v.shape)
         deq = (q * (s_b * s_dec)[..., None]).astype(np.float32)
     return deq.reshape(rows, nb * 16)[:, :k], s_b, q.reshape(rows, nb * 16)[:, :k]
 
@@ -174,6 +234,40 @@ class TestAgainstTheReference:
         _same(q.dequantize_t(), np.ascontiguousarray(deq.T))
         _same(q.t().dequantize(), np.ascontiguousarray(deq.T))  # the view of the stored values
 
+    @pytest.mark.parametrize("shape", [(48, 40), (37, 24)])
+    def test_every_role_through_a_manager(self, shape):
+        """The three roles' casts of a manager, both orientations, against the reference: INPUT rows and
+        its Hadamard-transformed columns (scaled from their own amax), WEIGHT 16 x 16 blocks, GRAD_OUTPUT
+        rows and columns rounded stochastically with the documented key (seed, slot, iteration, ordinal)."""
+        seed = 2**40 + 3
+        m = ss.ScalingStateManager(ss.NVFP4Scaling(), backend="emulation", seed=seed)
+        h = m.register("blocks.1.fc", roles=(I, W, G))
+        x = _wide_values(shape, 5)
+        xn = x.numpy()
+        signs = m.rht_signs().numpy()
+        for it in range(2):
+            with m.forward():
+                qi = h.quantize(x, I, transpose=True)
+                qw = h.quantize(x, W, transpose=True)
+            with m.backward():
+                qg = [h.quantize(x, G, transpose=True) for _ in range(2)]
+            s_enc = _ref_s_enc(F32(np.abs(xn).max()))
+            _same(qi.dequantize(), _ref_rows(xn, s_enc)[0])
+            xt = _ref_hadamard(np.ascontiguousarray(xn.T), signs)
+            _same(qi.other.dequantize(),
+                  _ref_rows(xt, _ref_s_enc(F32(np.abs(xt).max())))[0])
+            assert qi.other.packing.hadamard and not qi.primary.packing.hadamard
+            deq_w = _ref_blocks(xn, s_enc)[0]
+            _same(qw.dequantize(), deq_w)
+            _same(qw.other.dequantize(), np.ascontiguousarray(deq_w.T))
+            for ordinal, q in enumerate(qg):
+                key = _ref_key(seed, "blocks.1.fc", "grad_output", it, ordinal)
+                _same(q.dequantize(), _ref_rows(xn, s_enc, _ref_bits(key, xn.size, 0))[0])
+                gt = _ref_hadamard(np.ascontiguousarray(xn.T), signs)
+                want_t = _ref_rows(gt, _ref_s_enc(F32(np.abs(gt).max())), _ref_bits(key, gt.size, 1))[0]
+                _same(q.other.dequantize(), want_t)
+            m.step()
+
     def test_nan_block_is_nan_everywhere(self):
         """A block holding a NaN dequantizes to NaN in all 16 elements; other blocks are untouched."""
         x = torch.randn(2, 32)
@@ -234,18 +328,8 @@ class TestAgainstTheReference:
             layer: torch.nn.Module = torch.nn.Linear(256, 256)
             if name == "nvfp4":
                 layer = ss.nn.convert(torch.nn.Sequential(layer), ss.ScalingStateManager(ss.NVFP4Scaling()))
-            total = 0
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                nonlocal total
-                if not isinstance(t, torch.nn.Parameter):
-                    total += t.numel() * t.element_size()
-                return t
-
             x = torch.randn(1024, 256, requires_grad=True)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                layer(x).sum().backward()
-            saved[name] = total
+            saved[name] = saved_for_backward_bytes(lambda layer=layer, x=x: layer(x).sum().backward())
         assert saved["nvfp4"] <= 0.3 * saved["fp32"], saved
 
     def test_memory_per_element(self):
@@ -400,6 +484,24 @@ class TestSeed:
     def test_bad_seed(self, seed):
         with pytest.raises(ss.errors.ArgumentTypeError, match=r"seed must be an int in \[0, 2\*\*63\)"):
             ss.ScalingStateManager(ss.NVFP4Scaling(), backend="emulation", seed=seed)
+
+    @pytest.mark.parametrize(
+        ("saved", "loading"),
+        [
+            (ss.NVFP4Scaling(), ss.DelayedScaling()),
+            (ss.DelayedScaling(), ss.NVFP4Scaling()),
+            (ss.NVFP4Scaling(), ss.NVFP4Scaling(global_scale="delayed")),
+            (ss.NVFP4Scaling(), ss.NVFP4Scaling(rht=False)),
+        ],
+    )
+    def test_cross_recipe_load_is_refused(self, saved, loading):
+        """A state saved under one recipe never loads into a manager of another (NVFP4 variants too)."""
+        a = ss.ScalingStateManager(saved, backend="emulation")
+        a.register("fc", roles=(I, G))
+        b = ss.ScalingStateManager(loading, backend="emulation")
+        b.register("fc", roles=(I, G))
+        with pytest.raises(ss.errors.StateDictError, match="recipe differs"):
+            b.load_state_dict(a.state_dict())
 
     @pytest.mark.parametrize(
         ("key", "value", "match"),

@@ -17,7 +17,7 @@ from scalestate.backends.base import granularity_label, recipe_granularities
 from scalestate.backends.emulation import EmulationBackend
 from scalestate.backends.scaled_mm.capability import Probe, default_device, device_label
 from scalestate.backends.scaled_mm.kinds import PAIRS, ROW, Kind, Pair, operand_kinds, operand_label, recipe_kinds
-from scalestate.backends.scaled_mm.products import blockwise, rowwise, tensorwise
+from scalestate.backends.scaled_mm.products import blockwise, nvfp4, rowwise, tensorwise
 from scalestate.errors import ArgumentTypeError, ArgumentValueError, BackendUnavailableError
 from scalestate.granularity import Granularity
 from scalestate.quantized import Quantized
@@ -28,10 +28,6 @@ __all__ = ["ScaledMMBackend"]
 _TWO_E5M2 = "cuBLASLt cannot multiply two E5M2 operands (use Format.HYBRID or Format.E4M3)"
 _ALTERNATIVES = 'ScaledMMBackend(fallback="emulation") to emulate those products, or backend="emulation"'
 _NO_KERNEL = "its block-wise kernels take 1 x 128 tiles and 128 x 128 blocks, its MX kernel blocks of 32"
-_NVFP4 = (
-    "NVFP4 products need torch.nn.functional.scaled_mm with 1 x 16 E4M3 block scales, which only a "
-    "Blackwell GPU (sm100 or newer) runs, and this backend does not call it yet"
-)
 #: The operands of a linear layer's three products: forward, input gradient, weight gradient.
 _PRODUCTS = ((Role.INPUT, Role.WEIGHT), (Role.GRAD_OUTPUT, Role.WEIGHT), (Role.GRAD_OUTPUT, Role.INPUT))
 
@@ -97,9 +93,12 @@ class ScaledMMBackend(EmulationBackend):
         name = _recipe_label(recipe, roles)
         if isinstance(recipe, NVFP4Scaling):
             where = device_label(device)
+            runs, reason = self._probe.nvfp4_runs(device)
+            if runs:
+                return True, f"{name} runs in torch's kernels on {where}"
             if self._fallback == "emulation":
-                return True, f"{name} on {where}: {_NVFP4}; those products fall back to emulation"
-            return False, f"{name} cannot run in torch's kernels on {where}: {_NVFP4}. Use {_ALTERNATIVES}"
+                return True, f"{name} on {where}: {reason}; those products fall back to emulation"
+            return False, f"{name} cannot run in torch's kernels on {where}: {reason}. Use {_ALTERNATIVES}"
         failures: dict[str, None] = {}
         for first, second in _PRODUCTS:
             ka, kb = recipe_kinds(roles[first]), recipe_kinds(roles[second])
@@ -140,10 +139,13 @@ class ScaledMMBackend(EmulationBackend):
         copy when the cast made one with the same (per-tensor) scale, else copied.
         """
         if a.primary.packing is not None or b.primary.packing is not None:
+            runs, reason = self._probe.nvfp4_runs(a.data.device)
+            if runs:
+                return nvfp4(a, b, out_dtype, bias)
             if self._fallback == "emulation":
                 return super().scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
             raise BackendUnavailableError(
-                f"ScaledMMBackend cannot multiply NVFP4 operands: {_NVFP4}. Use {_ALTERNATIVES}"
+                f"ScaledMMBackend cannot multiply NVFP4 operands: {reason}. Use {_ALTERNATIVES}"
             )
         if a.tile is None and b.tile is None:
             if (

@@ -89,6 +89,22 @@ class Probe:
         return True, f"{what} on sm{major}{minor}"
 
 
+    def nvfp4_runs(self, device: torch.device) -> tuple[bool, str]:
+        """Whether torch runs NVFP4 products (``BlockWise1x16`` with a ``TensorWise`` second level) on
+        ``device``; if not, why not and what would."""
+        where = f"{_MX_WHERE}, through torch.nn.functional.scaled_mm"
+        if device.type != "cuda":
+            return False, f"torch's {device.type.upper()} kernel takes no NVFP4 operands; NVFP4 products run on {where}"
+        if torch.version.hip:
+            return False, f"NVFP4 is mapped to torch's kernels for NVIDIA GPUs only; it runs on {where}"
+        if not has_functional_scaled_mm():
+            return False, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm; NVFP4 runs on {where}"
+        major, minor = self.capability(device)
+        if major < 10:
+            return False, f"NVFP4 products run on {where}; found sm{major}{minor}"
+        return True, f"NVFP4 blocks on sm{major}{minor}"
+
+
 def default_device(device: torch.device | str | None) -> torch.device:
     """``device``, or CUDA if torch sees a GPU, else CPU."""
     if device is None:

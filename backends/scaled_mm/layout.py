@@ -19,7 +19,7 @@ from scalestate.backends.scaled_mm.kinds import BLOCK, MX, TILE, Pair
 from scalestate.errors import BackendUnavailableError
 from scalestate.quantized import Quantized
 
-__all__ = ["block_args", "padded", "rowwise_args", "swizzle_32_4_4", "tensorwise_operands"]
+__all__ = ["block_args", "nvfp4_args", "padded", "rowwise_args", "swizzle_32_4_4", "tensorwise_operands"]
 
 
 def tensorwise_operands(qa: Quantized, qb: Quantized, *, pad: bool) -> tuple[Tensor, Tensor]:
@@ -109,22 +109,71 @@ def padded(a: Tensor, b: Tensor, *, k_to: int, n_to: int, m_to: int = 1) -> tupl
 
 
 def swizzle_32_4_4(scale: Tensor) -> Tensor:
-    """E8M0 scales ``(rows, k_blocks)`` in cuBLAS's 32x4x4 block-scaling layout, flat.
+    """One-byte block scales ``(rows, k_blocks)`` (E8M0 for MX, E4M3 for NVFP4) in cuBLAS's 32x4x4
+    block-scaling layout, flat, of the same dtype.
 
     Rows are padded to a multiple of 128 and ``k_blocks`` to one of 4 (with
-    E8M0 ones; the data there is zero). Each 128 x 4 tile of the padded
-    matrix becomes 512 contiguous bytes, tiles in row-major order; inside a
-    tile, row ``r`` and column ``c`` land at ``(r % 32) * 16 + (r // 32) * 4 + c``.
+    ones in E8M0, zeros in E4M3, whose byte 127 is NaN; the data there is
+    zero). Each 128 x 4 tile of the padded matrix becomes 512 contiguous
+    bytes, tiles in row-major order; inside a tile, row ``r`` and column ``c``
+    land at ``(r % 32) * 16 + (r // 32) * 4 + c``.
     """
     rows, cols = scale.shape
     bytes_ = scale.contiguous().view(torch.uint8)
     pad_r, pad_c = -rows % 128, -cols % 4
     if pad_r or pad_c:
-        bytes_ = F.pad(bytes_, (0, pad_c, 0, pad_r), value=127)  # 127: the E8M0 encoding of 1
+        fill = 127 if scale.dtype == torch.float8_e8m0fnu else 0  # E8M0's 1; E4M3's 0
+        bytes_ = F.pad(bytes_, (0, pad_c, 0, pad_r), value=fill)
     tr, tc = bytes_.shape[0] // 128, bytes_.shape[1] // 4
     # (tile row, 4 groups of 32 rows, 32 rows, tile column, 4 columns) -> (tile row, tile column, 32, 4, 4)
     tiles = bytes_.view(tr, 4, 32, tc, 4).permute(0, 3, 2, 1, 4)
-    return tiles.reshape(-1).view(torch.float8_e8m0fnu)
+    return tiles.reshape(-1).view(scale.dtype)
+
+
+def nvfp4_args(a: Quantized, b: Quantized) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of ``torch.nn.functional.scaled_mm`` for two NVFP4 operands, as torch's checks ask.
+
+    ``a`` holds its values packed along ``K`` (``(M, K)`` as stored), ``b`` is
+    the transpose of values stored ``(N, K)`` (what ``Quantized.t()`` gives).
+    Data: ``a`` row-major ``(M, K / 2)`` bytes and ``b`` column-major, ``K``
+    zero-padded to a multiple of 32 elements and ``N`` to one of 16. Scales:
+    two levels per operand, the E4M3 block scales (``16 x 16`` weight blocks
+    repeated over their 16 rows) in the 32x4x4 layout with
+    ``BlockWise1x16``, and the per-tensor ``S_dec`` with ``TensorWise``.
+    """
+    pa, pb = a.primary, b.primary
+    if pa.packing is None or pb.packing is None or pa.packing.transposed or not pb.packing.transposed:
+        raise BackendUnavailableError(
+            "an NVFP4 product takes a first operand stored along K and a second one that is the transpose "
+            "of values stored along K (as ss.nn.Linear's products are)"
+        )
+    assert pa.tensor_scale_inv is not None
+    assert pb.tensor_scale_inv is not None
+    n = pb.packing.shape[0]
+    a_bytes, b_bytes = pa.data.view(torch.uint8), pb.data.view(torch.uint8)
+    pad_k = -a_bytes.shape[1] % 16
+    if pad_k:
+        a_bytes = F.pad(a_bytes, (0, pad_k))
+    pad_n = -n % 16
+    if pad_k or pad_n:
+        b_bytes = F.pad(b_bytes, (0, pad_k, 0, pad_n))
+    sa, sb = _row_scales(pa.scale_inv, pa.tile, pa.packing.shape[0]), _row_scales(pb.scale_inv, pb.tile, n)
+    st, sw = F.ScalingType, F.SwizzleType
+    recipe = [st.BlockWise1x16, st.TensorWise]
+    swizzle = [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE]
+    args = (
+        a_bytes.contiguous().view(torch.float4_e2m1fn_x2), b_bytes.contiguous().view(torch.float4_e2m1fn_x2).t(),
+        [swizzle_32_4_4(sa), pa.tensor_scale_inv.reshape(1)], recipe,
+        [swizzle_32_4_4(sb), pb.tensor_scale_inv.reshape(1)], recipe,
+    )
+    return args, {"swizzle_a": swizzle, "swizzle_b": swizzle}
+
+
+def _row_scales(s_b: Tensor, tile: tuple[int, int] | None, rows: int) -> Tensor:
+    """Block scales with one row per data row: ``16 x 16`` blocks repeated down their rows."""
+    if tile is not None and tile[0] > 1:
+        return s_b.view(torch.uint8).repeat_interleave(tile[0], dim=0)[:rows].view(s_b.dtype)
+    return s_b
 
 
 def _pad(x: Tensor, *, rows: int = 0, cols: int = 0) -> Tensor:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from scalestate.backends.scaled_mm.capability import has_functional_scaled_mm
 from scalestate.backends.scaled_mm.kinds import Pair
-from scalestate.backends.scaled_mm.layout import block_args, padded, rowwise_args, tensorwise_operands
+from scalestate.backends.scaled_mm.layout import block_args, nvfp4_args, padded, rowwise_args, tensorwise_operands
 from scalestate.quantized import Quantized
 
 __all__ = ["blockwise", "finish", "rowwise", "tensorwise"]
@@ -79,6 +79,18 @@ def blockwise(pair: Pair, a: Quantized, b: Quantized, out_dtype: torch.dtype, bi
     on CUDA (its operands and scales laid out by :func:`~scalestate.backends.scaled_mm.layout.block_args`)."""
     m, n = a.data.shape[0], b.data.shape[1]
     args, kwargs = block_args(pair, a, b)
+    kwargs["output_dtype"] = out_dtype if bias is None else torch.float32
+    out = F.scaled_mm(*args, **kwargs)
+    if out.shape != (m, n):
+        out = out[:m, :n]
+    return out if bias is None else finish(out, out_dtype, bias)
+
+
+def nvfp4(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
+    """A product of NVFP4 operands through ``torch.nn.functional.scaled_mm`` (sm100+; laid out by
+    :func:`~scalestate.backends.scaled_mm.layout.nvfp4_args`)."""
+    m, n = a.shape[0], b.shape[1]
+    args, kwargs = nvfp4_args(a, b)
     kwargs["output_dtype"] = out_dtype if bias is None else torch.float32
     out = F.scaled_mm(*args, **kwargs)
     if out.shape != (m, n):

@@ -168,7 +168,8 @@ def _layout_line(cfg: DemoConfig, recipe: ss.Recipe) -> str:
         what = (
             "E2M1 values, one E4M3 scale per 16 elements (16 x 16 weight blocks) and one float32 per tensor; "
             "random Hadamard transform and stochastic rounding from the manager's seed\n"
-            "  kept:    blocks.0 and head in high precision (NVIDIA's recipe keeps the first and last layers)"
+            f"  kept:    {'blocks.0 and ' if cfg.n_layers > 1 else ''}head in high precision "
+            "(NVIDIA's recipe keeps the first and last layers)"
         )
     else:
         return ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import attrs
@@ -137,7 +138,8 @@ def train(
     if fp8:
         recipe = cfg.make_recipe()
         manager = ss.ScalingStateManager(recipe, backend=cfg.backend, device="cpu")
-        ss.nn.convert(model, manager, filter_fn=high_precision_ends if isinstance(recipe, ss.NVFP4Scaling) else None)
+        keep = high_precision_ends(cfg.n_layers) if isinstance(recipe, ss.NVFP4Scaling) else None
+        ss.nn.convert(model, manager, filter_fn=keep)
     net: torch.nn.Module = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -189,15 +191,24 @@ def train(
     )
 
 
-def high_precision_ends(path: str, module: torch.nn.Module) -> bool:
-    """The demo's ``filter_fn`` for NVFP4: every layer but those of the first block and the head.
+def high_precision_ends(n_layers: int) -> Callable[[str, torch.nn.Module], bool]:
+    """The demo's ``filter_fn`` for NVFP4: every layer but the first block's and the head.
 
     NVIDIA's NVFP4 recipe keeps the first and the last layers of the network in
     high precision (they are the most sensitive to quantization and a small part
-    of the compute); the demo's model is 4 blocks deep, so it keeps the first
-    block and the output head.
+    of the compute). The demo keeps the output head and, in a model of more than
+    one block, the first block (of one block, that would leave nothing in NVFP4).
+
+    Example:
+        >>> keep = high_precision_ends(4)
+        >>> [keep(p, None) for p in ("blocks.0.qkv", "blocks.1.qkv", "head")]
+        [False, True, False]
     """
-    return not (path.startswith("blocks.0.") or path == "head")
+
+    def convert(path: str, module: torch.nn.Module) -> bool:
+        return path != "head" and not (n_layers > 1 and path.startswith("blocks.0."))
+
+    return convert
 
 
 def _agreement(params: dict[str, Tensor], scaling: dict[str, Any] | None) -> dict[str, bool]:

@@ -45,7 +45,7 @@ from __future__ import annotations
 from scalestate.testing.compare import assert_same, differences, snapshot, sqnr
 from scalestate.testing.model import Block, TinyLM
 from scalestate.testing.registry import registered_backend
-from scalestate.testing.spies import CastSpy, OpLog
+from scalestate.testing.spies import CastSpy, OpLog, saved_for_backward_bytes
 
 __all__ = [
     # comparing runs
@@ -56,6 +56,7 @@ __all__ = [
     # watching what runs
     "OpLog",
     "CastSpy",
+    "saved_for_backward_bytes",
     "registered_backend",
     # a model to run
     "Block",

@@ -7,13 +7,14 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from scalestate import Quantized, ScalingStateManager
 from scalestate.backends import Backend, CastRequest
 
-__all__ = ["CastSpy", "OpLog"]
+__all__ = ["CastSpy", "OpLog", "saved_for_backward_bytes"]
 
 
 class OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
@@ -158,3 +159,26 @@ class CastSpy:
         """How many of the requests cast ``tensor`` (a request whose ``x`` starts at its storage address)."""
         ptr = tensor.data_ptr()
         return sum(1 for r in self.requests if r.x.data_ptr() == ptr)
+
+
+def saved_for_backward_bytes(step: Callable[[], object]) -> int:
+    """Bytes of the tensors autograd saves for backward while ``step()`` runs (parameters excluded).
+
+    Example:
+        >>> import torch
+        >>> from scalestate.testing import saved_for_backward_bytes
+        >>> layer, x = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
+        >>> saved_for_backward_bytes(lambda: layer(x).sum().backward())  # the float32 input
+        128
+    """
+    total = 0
+
+    def pack(t: Tensor) -> Tensor:
+        nonlocal total
+        if not isinstance(t, torch.nn.Parameter):
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return total
