@@ -103,7 +103,20 @@ def encode_e2m1(q: Tensor) -> Tensor:
 #: grid, those whose tie goes up (0.75, 1.75, 3.5) lowered by one float32 ulp, so that the
 #: count of boundaries strictly below ``|v|`` is the code.
 _BOUNDARIES = (0.25, 0.74999994, 1.25, 1.7499999, 2.5, 3.4999998, 5.0)
-_boundaries: dict[torch.device, Tensor] = {}
+#: Every code's value (codes 8..15: the negatives).
+_TABLE = (*E2M1_VALUES, *(-v for v in E2M1_VALUES))
+#: Those constants per device, made once (a copy to a GPU per cast would cost a transfer, and
+#: could not be captured in a CUDA graph); compiled code makes them inline.
+_constants: dict[tuple[tuple[float, ...], torch.device], Tensor] = {}
+
+
+def _constant(values: tuple[float, ...], device: torch.device) -> Tensor:
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.float32, device=device)
+    known = _constants.get((values, device))
+    if known is None:
+        known = _constants[(values, device)] = torch.tensor(values, dtype=torch.float32, device=device)
+    return known
 
 
 def nearest_codes(v: Tensor) -> Tensor:
@@ -111,20 +124,14 @@ def nearest_codes(v: Tensor) -> Tensor:
 
     ``v`` in ``[-6, 6]``; NaN becomes code 0, ``-0`` code 8.
     """
-    boundaries = _boundaries.get(v.device)
-    if boundaries is None or torch.compiler.is_compiling():
-        boundaries = torch.tensor(_BOUNDARIES, dtype=torch.float32, device=v.device)
-        if not torch.compiler.is_compiling():
-            _boundaries[v.device] = boundaries
     w = torch.nan_to_num(v, nan=0.0)
-    magnitude = torch.bucketize(w.abs().contiguous(), boundaries).to(torch.uint8)
+    magnitude = torch.bucketize(w.abs().contiguous(), _constant(_BOUNDARIES, v.device)).to(torch.uint8)
     return magnitude | (torch.signbit(w).to(torch.uint8) << 3)
 
 
 def decode_e2m1(codes: Tensor) -> Tensor:
     """float32 values of uint8 E2M1 codes (0..15)."""
-    table = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)], dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    return _constant(_TABLE, codes.device)[codes.long()]
 
 
 def pack_e2m1(codes: Tensor) -> Tensor:

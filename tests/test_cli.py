@@ -183,7 +183,7 @@ class TestEntryPoints:
         ).stdout
         for flag in ("--steps", "--d-model", "--layers", "--backend", "--recipe", "--microbatches", "--block"):
             assert flag in out
-        assert "{delayed,current,rowwise,block,mxfp8}" in out
+        assert "{delayed,current,rowwise,block,mxfp8,nvfp4}" in out
 
     def test_console_script(self, tmp_path):
         """The installed 'scalestate' command exists and answers --help."""

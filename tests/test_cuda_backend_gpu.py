@@ -74,6 +74,8 @@ RECIPES = {
     "rowwise": ss.RowwiseScaling(),
     "block": ss.BlockScaling(),
     "mxfp8": ss.MXFP8Scaling(),
+    # NVFP4's casts run as torch operations on the GPU (no kernel of its own), its products emulated on sm90
+    "nvfp4": ss.NVFP4Scaling(global_scale="delayed", history_len=4),
 }
 CUDA = torch.device("cuda")
 

@@ -25,9 +25,9 @@ _M32 = 0xFFFFFFFF
 class Randomness:
     """One manager's seed, RHT signs, iteration tensor, per-row slot keys and ordinals.
 
-    ``counting``: whether any cast draws (stochastic rounding); without it the
-    iteration tensor and the ordinals are not kept up at every step (they cost
-    two operations a step), and every ordinal stays 0.
+    ``counting``: whether any cast draws (stochastic rounding); without it no
+    per-row key or ordinal is kept and the iteration tensor is not kept up (they
+    would cost operations at every registration and step), and every ordinal is 0.
     """
 
     def __init__(self, device: torch.device, seed: int, *, counting: bool = False) -> None:
@@ -51,11 +51,18 @@ class Randomness:
         return self._signs
 
     def ordinals(self, n: int) -> Tensor:
-        """``[n]`` int64 view: stochastically rounded casts of each row so far in this step."""
+        """``[n]`` int64 view: stochastically rounded casts of each row so far in this step (zeros without draws)."""
+        if not self._counting:  # zeros, or what a load gave (kept as it was: it draws nothing here)
+            held = self._ordinals[:n]
+            if held.numel() == n:
+                return held
+            return torch.cat([held, torch.zeros(n - held.numel(), dtype=torch.int64, device=self._device)])
         return self._ordinals[:n]
 
     def grow(self, capacity: int, n: int) -> None:
         """Room for ``capacity`` rows, keeping the first ``n``."""
+        if not self._counting:
+            return
         keys = torch.zeros(capacity, dtype=torch.int64, device=self._device)
         ordinals = torch.zeros(capacity, dtype=torch.int64, device=self._device)
         keys[:n], ordinals[:n] = self._slot_keys[:n], self._ordinals[:n]
@@ -63,7 +70,8 @@ class Randomness:
 
     def add(self, row: int, name: str, role: str) -> None:
         """Row ``row`` is the slot ``(name, role)``: its key is the same in every process."""
-        self._slot_keys[row] = slot_key(name, role)
+        if self._counting:
+            self._slot_keys[row] = slot_key(name, role)
 
     def to(self, device: torch.device) -> None:
         """Move every tensor to ``device``."""
@@ -105,6 +113,10 @@ class Randomness:
     def load(self, iteration: int, ordinals: Tensor | None, n: int) -> None:
         """The iteration and the first ``n`` rows' ordinals as loaded (zeros when not saved)."""
         self._iteration.fill_(iteration)
+        if not self._counting:
+            zeros = torch.zeros(n, dtype=torch.int64, device=self._device)
+            self._ordinals = zeros if ordinals is None else ordinals.clone()
+            return
         if ordinals is None:
             self._ordinals.zero_()
         else:
