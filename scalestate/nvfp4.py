@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from scalestate.e2m1 import E2M1_MAX, Packing, encode_e2m1, nearest_codes, pack_e2m1, stochastic_round_e2m1
+from scalestate.errors import ArgumentValueError, CastError
 from scalestate.finegrained import FineQuantized, check_input
 from scalestate.math import FLOAT32_MAX, ScaleRule, scale_from_amax
 from scalestate.quantized import Orientation
@@ -145,9 +146,11 @@ def random_bits(key: Tensor, shape: tuple[int, ...], salt: int) -> Tensor:
 def rht_signs(seed: int, device: torch.device | str | None = None) -> Tensor:
     """The 16 signs (float32 ``+-1``) of the random Hadamard transform drawn from ``seed``.
 
-    Sign ``i`` is ``-1`` where bit 23 of ``mix32(mix32(k ^ i))`` is set,
-    ``k = mix32(seed_key(seed) ^ 0x524854)``.
+    Sign ``i`` is ``-1`` where bit 31 of ``mix32(mix32(k) ^ i)`` is set (bit 23
+    of :func:`random_bits` of ``k`` with salt 0), ``k = stream_key(seed_key(seed), 0x524854)``.
     """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ArgumentValueError(f"seed must be an int in [0, 2**63); got {seed!r}")
     key = torch.tensor(stream_key(seed_key(seed), _RHT_SALT), dtype=torch.int64, device=device)
     bits = random_bits(key, (NVFP4_BLOCK,), 0)
     return torch.where((bits >> 23) & 1 == 1, -1.0, 1.0)
@@ -163,6 +166,9 @@ def hadamard16(x: Tensor, signs: Tensor) -> Tensor:
     order of additions), then an exact division by 4. A last chunk of fewer
     than 16 elements is left as it is (the identity is orthonormal too).
     """
+    if not isinstance(signs, Tensor) or tuple(signs.shape) != (NVFP4_BLOCK,):
+        got = tuple(signs.shape) if isinstance(signs, Tensor) else type(signs).__name__
+        raise CastError(f"hadamard16 needs 16 signs (a tensor of shape (16,)); got {got}")
     xf = x.float()
     k = xf.shape[-1]
     whole = k - k % NVFP4_BLOCK
@@ -192,9 +198,15 @@ def block_scales(block_amax: Tensor, s_enc: Tensor) -> tuple[Tensor, Tensor]:
 
     ``s_b = e4m3(clamp(block_amax / 6 * s_enc, -448, 448))`` (round to nearest even; NaN stays NaN)
     and ``e_b = min(1 / (s_b * (1 / s_enc)), float32 max)``.
+
+    The division by 6 is a true float32 division by a tensor: divided by a Python
+    number, torch's CUDA kernels multiply by its rounded reciprocal instead, which
+    differs in the last bit for about a third of all quotients (and then,
+    rarely, in an E4M3 block scale).
     """
     s_dec = torch.reciprocal(s_enc)
-    s_b = (torch.div(block_amax, E2M1_MAX) * s_enc).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    six = block_amax.new_full((), E2M1_MAX)
+    s_b = (torch.div(block_amax, six) * s_enc).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     e_b = torch.div(1.0, s_b.float() * s_dec).clamp(max=FLOAT32_MAX)
     return s_b, e_b
 
@@ -240,6 +252,9 @@ def quantize_nvfp4(
             ``None``: round to nearest even.
     """
     check_input(x, 2 if two_d else 1, columnwise, "quantize_nvfp4")
+    if sr_key is not None and (not isinstance(sr_key, Tensor) or sr_key.dtype != torch.int64 or sr_key.dim() != 0):
+        got = f"{sr_key.dtype}, shape {tuple(sr_key.shape)}" if isinstance(sr_key, Tensor) else type(sr_key).__name__
+        raise CastError(f"quantize_nvfp4: sr_key must be a 0-d int64 tensor; got {got}")
     xf = x.float()
     if amax is None:
         amax = _amax(xf)

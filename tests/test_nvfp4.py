@@ -268,6 +268,38 @@ class TestAgainstTheReference:
                 _same(q.other.dequantize(), want_t)
             m.step()
 
+    def test_block_scale_divides_by_six_truly(self):
+        """The block scale is a true division by 6: pinned on a case where a product with a rounded 1/6
+        gives another E4M3 scale (what torch's CUDA kernels compute for a division by a Python number;
+        on the CPU torch divides truly either way, so the GPU test below is the one that tells them apart)."""
+        a, s = torch.tensor(0.02030535228550434), torch.tensor(106.19120788574219)
+        x = torch.zeros(1, 16)
+        x[0, 0] = a
+        got = quantize_nvfp4(x, s_enc=s).scale_inv.view(torch.uint8)
+        by_reciprocal = ((a * torch.tensor(1 / 6)) * s).to(torch.float8_e4m3fn).view(torch.uint8)
+        want = _ref_e4m3(np.array([F32(a.item()) / F32(6.0) * F32(s.item())], np.float32))
+        assert got.item() != by_reciprocal.item()
+        _same(quantize_nvfp4(x, s_enc=s).scale_inv.float().reshape(-1), want)
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible to torch")
+    def test_block_scale_is_the_same_on_a_gpu(self):
+        """The case above cast on the GPU gives the CPU's bits (a true division there too)."""
+        a, s = torch.tensor(0.02030535228550434), torch.tensor(106.19120788574219)
+        x = torch.zeros(1, 16)
+        x[0, 0] = a
+        cpu = quantize_nvfp4(x, s_enc=s)
+        gpu = quantize_nvfp4(x.cuda(), s_enc=s.cuda())
+        assert torch.equal(gpu.scale_inv.cpu().view(torch.uint8), cpu.scale_inv.view(torch.uint8))
+        assert torch.equal(gpu.dequantize().cpu(), cpu.dequantize())
+
+    def test_bad_arguments(self):
+        with pytest.raises(ss.errors.CastError, match="16 signs"):
+            hadamard16(torch.randn(2, 16), torch.ones(8))
+        with pytest.raises(ss.errors.CastError, match="0-d int64"):
+            quantize_nvfp4(torch.randn(2, 16), sr_key=3)
+        with pytest.raises(ss.errors.ArgumentValueError, match="seed must be"):
+            rht_signs(-1)
+
     def test_nan_block_is_nan_everywhere(self):
         """A block holding a NaN dequantizes to NaN in all 16 elements; other blocks are untouched."""
         x = torch.randn(2, 32)
