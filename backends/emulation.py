@@ -11,6 +11,8 @@ cast's operations into one kernel).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -58,11 +60,7 @@ class EmulationBackend:
             return self._cast_fine(request)
         xf = x if x.dtype == torch.float32 else x.float()
         amax = torch.linalg.vector_norm(xf, float("inf")) if xf.numel() else xf.new_zeros(())
-        if request.jit is False:
-            scale = request.scale.clone()  # the Quantized owns its scale; the slot's may change
-        else:
-            own = scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale)
-            scale = own if request.jit is True else torch.where(request.jit, own, request.scale)
+        scale = _chosen(request, lambda: scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale))
         data = (xf * scale).clamp_(-spec.fp8_max, spec.fp8_max).to(spec.dtype)
         if request.record is not None:
             torch.maximum(request.record, amax, out=request.record)
@@ -86,11 +84,7 @@ class EmulationBackend:
         assert spec.granularity is not None
         xf = request.x if request.x.dtype == torch.float32 else request.x.float()
         amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
-        if request.jit is False:
-            s_enc = request.scale.clone()
-        else:
-            own = tensor_scale(amax, 1.0, spec.rule)
-            s_enc = own if request.jit is True else torch.where(request.jit, own, request.scale)
+        s_enc = _chosen(request, lambda: tensor_scale(amax, 1.0, spec.rule))
         fq = quantize_nvfp4(
             xf, s_enc=s_enc, amax=amax, two_d=spec.granularity.kind is GranularityKind.NVFP4_2D,
             columnwise=request.transpose, signs=request.signs if spec.hadamard else None,
@@ -164,3 +158,12 @@ class EmulationBackend:
             nonfinite_counts=update.nonfinite_counts, forget_nonfinite=update.forget_nonfinite,
         )
         update.step_amax.zero_()
+
+
+def _chosen(request: CastRequest, own: Callable[[], Tensor]) -> Tensor:
+    """The per-tensor scale of a cast: a copy of the slot's (``jit`` False; the Quantized owns its
+    scale, the slot's may change), the tensor's ``own()`` (True), or either per a device flag."""
+    if request.jit is False:
+        return request.scale.clone()
+    scale = own()
+    return scale if request.jit is True else torch.where(request.jit, scale, request.scale)

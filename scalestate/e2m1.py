@@ -24,6 +24,7 @@ __all__ = [
     "E2M1_MAX",
     "E2M1_VALUES",
     "Packing",
+    "block_multipliers",
     "decode_e2m1",
     "encode_e2m1",
     "nearest_codes",
@@ -132,6 +133,12 @@ def nearest_codes(v: Tensor) -> Tensor:
 def decode_e2m1(codes: Tensor) -> Tensor:
     """float32 values of uint8 E2M1 codes (0..15)."""
     return _constant(_TABLE, codes.device)[codes.long()]
+
+
+def block_multipliers(s_b: Tensor, s_dec: Tensor) -> Tensor:
+    """NVFP4's multipliers ``e_b = min(1 / (s_b * S_dec), float32 max)`` of E4M3 block scales ``s_b``
+    under the per-tensor ``S_dec``: what a cast applies, and what a saved cast derives again."""
+    return torch.div(1.0, s_b.float() * s_dec).clamp(max=torch.finfo(torch.float32).max)
 
 
 def pack_e2m1(codes: Tensor) -> Tensor:

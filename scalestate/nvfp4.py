@@ -41,10 +41,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scalestate.e2m1 import E2M1_MAX, Packing, encode_e2m1, nearest_codes, pack_e2m1, stochastic_round_e2m1
+from scalestate.e2m1 import (
+    E2M1_MAX,
+    Packing,
+    block_multipliers,
+    encode_e2m1,
+    nearest_codes,
+    pack_e2m1,
+    stochastic_round_e2m1,
+)
 from scalestate.errors import ArgumentValueError, CastError
 from scalestate.finegrained import FineQuantized, check_input
-from scalestate.math import FLOAT32_MAX, ScaleRule, scale_from_amax
+from scalestate.math import ScaleRule, scale_from_amax
 from scalestate.quantized import Orientation
 
 __all__ = [
@@ -207,8 +215,7 @@ def block_scales(block_amax: Tensor, s_enc: Tensor) -> tuple[Tensor, Tensor]:
     s_dec = torch.reciprocal(s_enc)
     six = block_amax.new_full((), E2M1_MAX)
     s_b = (torch.div(block_amax, six) * s_enc).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    e_b = torch.div(1.0, s_b.float() * s_dec).clamp(max=FLOAT32_MAX)
-    return s_b, e_b
+    return s_b, block_multipliers(s_b, s_dec)
 
 
 # ------------------------------------------------------------------ the cast

@@ -13,9 +13,8 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 from torch import Tensor
 
-from scalestate.e2m1 import Packing, decode_e2m1, unpack_e2m1
+from scalestate.e2m1 import Packing, block_multipliers, decode_e2m1, unpack_e2m1
 from scalestate.errors import CastError, ReadOnlyError
-from scalestate.math import FLOAT32_MAX
 from scalestate.tiles import apply_tile_scales
 from scalestate.tiles import dequantize as tile_dequantize
 
@@ -380,8 +379,7 @@ def _orientation(tensors: tuple[Tensor, ...], tile: Tile, packing: Packing | Non
     if packing is None:
         return Orientation(tensors[0], tensors[1], tensors[2], tile)
     data, s_b, s_dec = tensors
-    e_b = torch.div(1.0, s_b.float() * s_dec).clamp(max=FLOAT32_MAX)  # as scalestate.nvfp4.block_scales
-    return Orientation(data, e_b, s_b, tile, s_dec, packing)
+    return Orientation(data, block_multipliers(s_b, s_dec), s_b, tile, s_dec, packing)
 
 
 def _t(scale: Tensor) -> Tensor:

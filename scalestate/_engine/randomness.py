@@ -19,8 +19,6 @@ from scalestate.nvfp4 import rht_signs, seed_key, slot_key, stream_key
 
 __all__ = ["Randomness"]
 
-_M32 = 0xFFFFFFFF
-
 
 class Randomness:
     """One manager's seed, RHT signs, iteration tensor, per-row slot keys and ordinals.
@@ -88,7 +86,7 @@ class Randomness:
         """
         it = self._iteration
         ordinal = self._ordinals[row]
-        key = stream_key(self._seed_key, self._slot_keys[row], it & _M32, it >> 32, ordinal)
+        key = stream_key(self._seed_key, self._slot_keys[row], it & 0xFFFFFFFF, it >> 32, ordinal)
         ordinal.add_(1)
         assert isinstance(key, Tensor)
         return key
