@@ -61,6 +61,11 @@ class ScalingHandle:
         """The manager that owns its state."""
         return self._manager
 
+    @property
+    def reduce(self) -> bool:
+        """Whether its step amaxes are reduced across the manager's group (``False``: rank-local)."""
+        return next(iter(self._slots.values())).reduce
+
     def _slot(self, role: Role) -> Slot:
         try:
             return self._slots[role]

@@ -10,15 +10,20 @@ from scalestate.nn.convert import (
     registered_conversions,
     unregister_conversion,
 )
+from scalestate.nn.grouped import ExpertViews, GroupedLinear, grouped_linear, register_experts
 from scalestate.nn.linear import Linear, linear
 
 __all__ = [
     "ConversionFn",
     "ConversionRequest",
+    "ExpertViews",
+    "GroupedLinear",
     "Linear",
     "convert",
+    "grouped_linear",
     "linear",
     "register_conversion",
+    "register_experts",
     "registered_conversions",
     "unregister_conversion",
 ]

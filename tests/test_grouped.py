@@ -1,0 +1,220 @@
+"""`ss.nn.GroupedLinear`: expert e is, bitwise, an `ss.nn.Linear` named "<name>.<e>" on its tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import MECHANISMS, RECIPES, backend_for, checkpointer
+from torch import Tensor, nn
+
+import scalestate as ss
+from scalestate.testing import CastSpy, OpLog, assert_same
+
+E, IN, OUT = 4, 32, 64
+#: Tokens per expert, per step and microbatch: empty experts on some steps, every expert on others.
+SIZES = [
+    [[16, 0, 8, 24], [0, 16, 16, 0]],
+    [[8, 8, 8, 8], [32, 0, 0, 16]],
+    [[0, 0, 48, 0], [16, 16, 0, 16]],
+]
+
+
+class Loop(nn.Module):
+    """The reference: one ss.nn.Linear per expert, named as GroupedLinear names its experts."""
+
+    def __init__(self, manager: ss.ScalingStateManager, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(
+            ss.nn.Linear(IN, OUT, bias=bias is not None, manager=manager, name=f"moe.{e}") for e in range(E)
+        )
+        with torch.no_grad():
+            for e, layer in enumerate(self.experts):
+                layer.weight.copy_(weight[e])
+                if bias is not None:
+                    layer.bias.copy_(bias[e])
+
+    def forward(self, x: Tensor, sizes: list[int]) -> Tensor:
+        parts = [layer(part) for layer, part, n in zip(self.experts, x.split(sizes), sizes, strict=True) if n]
+        return torch.cat(parts)
+
+    def stacked_grads(self) -> list[Tensor]:
+        grads = [torch.stack([layer.weight.grad for layer in self.experts])]
+        if self.experts[0].bias is not None:
+            grads.append(torch.stack([layer.bias.grad for layer in self.experts]))
+        return grads
+
+
+def _run(recipe: ss.Recipe, backend: str, grouped: bool, *, bias: bool = False, wrap: str | None = None) -> dict:
+    torch.manual_seed(0)
+    manager = ss.ScalingStateManager(recipe, backend=backend_for(recipe, backend))
+    layer = ss.nn.GroupedLinear(E, IN, OUT, bias=bias, manager=manager if grouped else _scratch(), name="moe")
+    if not grouped:
+        layer = Loop(manager, layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
+    sized = Sized(layer)
+    run = checkpointer(wrap)(sized) if wrap else sized
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(3)
+    out: dict[str, list] = {"y": [], "dx": [], "dw": [], "state": []}
+    for step, step_sizes in enumerate(SIZES):
+        for sizes in step_sizes:
+            x = (torch.randn(sum(sizes), IN, generator=gen) * (1 + step)).requires_grad_()
+            sized.sizes = sizes
+            with manager.forward():
+                y = run(x)
+            with manager.backward():
+                (y**2).mean().backward()
+            out["y"].append(y.detach())
+            out["dx"].append(x.grad)
+        grads = layer.stacked_grads() if not grouped else [p.grad.clone() for p in layer.parameters()]
+        out["dw"].append(grads)
+        opt.step()
+        opt.zero_grad()
+        manager.step()
+        out["state"].append(manager.state_dict())
+    return out
+
+
+def _scratch() -> ss.ScalingStateManager:
+    return ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+
+
+class Sized(nn.Module):
+    """Calls the layer with the group sizes set on it, so that checkpoint wrappers see a one-input module."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.sizes: list[int] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x, self.sizes)
+
+
+@pytest.mark.parametrize("backend", ["emulation", "scaled_mm"])
+@pytest.mark.parametrize("recipe", RECIPES.values(), ids=RECIPES.keys())
+def test_grouped_equals_one_linear_per_expert(recipe: ss.Recipe, backend: str) -> None:
+    """Outputs, input and weight gradients, histories and scales, every step: bitwise, empty experts included."""
+    assert_same(_run(recipe, backend, grouped=True), _run(recipe, backend, grouped=False), name="grouped vs loop")
+
+
+@pytest.mark.parametrize("recipe", [RECIPES["delayed"], RECIPES["mxfp8"]], ids=["delayed", "mxfp8"])
+def test_grouped_with_bias_equals_loop(recipe: ss.Recipe) -> None:
+    assert_same(
+        _run(recipe, "emulation", grouped=True, bias=True), _run(recipe, "emulation", grouped=False, bias=True)
+    )
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("recipe", [RECIPES["delayed"], RECIPES["nvfp4"]], ids=["delayed", "nvfp4"])
+def test_checkpointed_grouped_equals_plain(recipe: ss.Recipe, mechanism: str) -> None:
+    """Activation checkpointing of every mechanism changes no bit (recompute records nothing)."""
+    assert_same(_run(recipe, "emulation", grouped=True, wrap=mechanism), _run(recipe, "emulation", grouped=True))
+
+
+def test_empty_expert_casts_and_records_nothing() -> None:
+    """An expert without tokens: no cast of any role, its history and scale unchanged by step()."""
+    manager = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+    layer = ss.nn.GroupedLinear(E, IN, OUT, manager=manager, name="moe")
+    x = torch.randn(24, IN, requires_grad=True)
+    with manager.forward():
+        y = layer(x, torch.tensor([8, 0, 16, 0]))
+    with manager.backward():
+        y.sum().backward()
+    manager.step()
+    before = {e: [h.clone() for h in _state(layer.handles[e])] for e in range(E)}
+    with CastSpy(manager) as spy, manager.forward():
+        y = layer(torch.randn(8, IN, requires_grad=True), [8, 0, 0, 0])
+    assert spy.casts_of(layer.views.of(layer.weight)[1]) == 0
+    assert all(not request.x.shape[0] == 0 for request in spy.requests)
+    assert len(spy.requests) == 2  # expert 0's input and weight only
+    with manager.backward():
+        y.sum().backward()
+    manager.step()
+    for e in (1, 3):  # never received a token: still zero histories and scale 1
+        assert_same(_state(layer.handles[e]), before[e])
+        assert all(torch.equal(h, torch.zeros_like(h)) for h in _state(layer.handles[e])[::2])
+    for e in (2,):  # empty in the second step only: unchanged by it
+        assert_same(_state(layer.handles[e]), before[e])
+    assert not torch.equal(_state(layer.handles[0])[0], before[0][0])
+
+
+def _state(handle: ss.ScalingHandle) -> list[Tensor]:
+    return [t for role in ss.Role for t in (handle.amax_history(role), handle.scale(role))]
+
+
+def test_weight_cast_cached_per_expert() -> None:
+    """Each used expert's weight is cast once per step, whatever the microbatches and recomputes;
+    an optimizer step (in place) makes the next step cast it again."""
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    layer = ss.nn.GroupedLinear(E, IN, OUT, manager=manager, name="moe")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    views = layer.views.of(layer.weight)
+    for _ in range(2):
+        with CastSpy(manager) as spy:
+            for _ in range(3):
+                with manager.forward():
+                    y = layer(torch.randn(16, IN), [4, 4, 0, 8])
+                with manager.backward():
+                    y.sum().backward()
+        assert [spy.casts_of(v) for v in views] == [1, 1, 0, 1]
+        opt.step()
+        manager.step()
+    assert layer.views.of(layer.weight) is views  # same tensors: in-place steps keep them
+
+
+def test_evaluation_records_nothing() -> None:
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    layer = ss.nn.GroupedLinear(E, IN, OUT, manager=manager, name="moe")
+    with torch.no_grad():
+        layer(torch.randn(12, IN), [3, 3, 3, 3])
+    pending = manager.buffers()["step_amax"]
+    assert torch.equal(pending, torch.zeros_like(pending))
+
+
+def test_names_and_rank_local_slots() -> None:
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    a = ss.nn.GroupedLinear(2, IN, OUT, manager=manager)
+    b = ss.nn.GroupedLinear(2, IN, OUT, manager=manager, reduce=False, first_expert=2, name="ep")
+    assert [h.name for h in a.handles] == ["grouped_linear.0", "grouped_linear.1"]
+    assert [h.name for h in b.handles] == ["ep.2", "ep.3"]
+    assert "slots=ep.2..3" in repr(b)
+    assert [h.reduce for h in a.handles + b.handles] == [True, True, False, False]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "error", "match"),
+    [
+        ([4, 4, 4], ss.errors.ArgumentValueError, "3 entries for 4 experts"),
+        ([4, 4, 4, 5], ss.errors.ArgumentValueError, "sums to 17"),
+        ([8, -4, 4, 8], ss.errors.ArgumentValueError, "non-negative"),
+        (torch.tensor([4.0, 4.0, 4.0, 4.0]), ss.errors.ArgumentTypeError, "integer tensor"),
+        ("4444", ss.errors.ArgumentTypeError, "sequence of ints"),
+    ],
+)
+def test_bad_group_sizes(sizes: object, error: type[Exception], match: str) -> None:
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    layer = ss.nn.GroupedLinear(E, IN, OUT, manager=manager)
+    with pytest.raises(error, match=match):
+        layer(torch.randn(16, IN), sizes)  # type: ignore[arg-type]
+
+
+def test_bad_shapes_and_arguments() -> None:
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    layer = ss.nn.GroupedLinear(E, IN, OUT, manager=manager)
+    with pytest.raises(ss.errors.CastError, match=r"input must be \(tokens, 32\)"):
+        layer(torch.randn(16, IN + 1), [4, 4, 4, 4])
+    with pytest.raises(ss.errors.ArgumentTypeError, match="4 ScalingHandles"):
+        ss.nn.grouped_linear(torch.randn(4, IN), layer.weight, None, [4, 0, 0, 0], layer.handles[:2])
+    with pytest.raises(ss.errors.CastError, match="num_experts, out_features, in_features"):
+        ss.nn.grouped_linear(torch.randn(4, IN), layer.weight[0], None, [4], layer.handles[:1])
+    with pytest.raises(ss.errors.ArgumentValueError, match="num_experts must be a positive int"):
+        ss.nn.GroupedLinear(0, IN, OUT, manager=manager)
+
+
+def test_all_experts_empty() -> None:
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    layer = ss.nn.GroupedLinear(E, IN, OUT, manager=manager)
+    with OpLog() as log, manager.forward():
+        y = layer(torch.randn(0, IN), [0, 0, 0, 0])
+    assert y.shape == (0, OUT)
+    assert not any("amax" in op or "abs" in op for op in log.ops)
