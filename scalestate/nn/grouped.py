@@ -24,6 +24,7 @@ import functools
 import math
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -176,7 +177,7 @@ def grouped_linear(
     backend = manager.backend
     transpose = backend.wants_transposed(x.device) or manager.recipe.granularity(Role.INPUT) is not None
     cast_source = views.of(weight) if views is not None else weight.detach().unbind(0)
-    xs = x.split(sizes)
+    xs = x.split(sizes)  # type: ignore[no-untyped-call]  # torch leaves Tensor.split untyped
     ws = weight.unbind(0)
     bs = bias.unbind(0) if bias is not None else None
     outs = []
@@ -242,7 +243,8 @@ class GroupedLinear(torch.nn.Module):
     ) -> None:
         if not isinstance(manager, ScalingStateManager):
             raise ArgumentTypeError(f"manager must be a ScalingStateManager; got {type(manager).__name__}")
-        for label, value in (("num_experts", num_experts), ("in_features", in_features), ("out_features", out_features)):
+        sizes = {"num_experts": num_experts, "in_features": in_features, "out_features": out_features}
+        for label, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentValueError(f"GroupedLinear: {label} must be a positive int; got {value!r}")
         if not isinstance(first_expert, int) or isinstance(first_expert, bool) or first_expert < 0:
@@ -269,7 +271,7 @@ class GroupedLinear(torch.nn.Module):
                 if self.bias is not None:
                     torch.nn.init.uniform_(self.bias[e], -bound, bound)
 
-    def __setattr__(self, name: str, value: object) -> None:
+    def __setattr__(self, name: str, value: Any) -> None:
         """As ``torch.nn.Module``'s; a new ``weight`` drops the experts' cached weight casts."""
         super().__setattr__(name, value)
         if name == "weight" and "handles" in self.__dict__:
@@ -286,7 +288,8 @@ class GroupedLinear(torch.nn.Module):
         return grouped_linear(x, self.weight, self.bias, group_sizes, self.handles, views=self.views)
 
     def extra_repr(self) -> str:
+        last = self.first_expert + self.num_experts - 1
         return (
             f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, slots={self.name}.{self.first_expert}..{self.first_expert + self.num_experts - 1}"
+            f"bias={self.bias is not None}, slots={self.name}.{self.first_expert}..{last}"
         )
