@@ -104,7 +104,11 @@ def adopt_parameters(new: M, module: torch.nn.Module, request: ConversionRequest
 
 
 #: Modules of these packages have conversions in an integration, registered when it is imported.
-_INTEGRATIONS = {"transformers.pytorch_utils": "scalestate.integrations.transformers"}
+_INTEGRATIONS = {
+    "transformers.pytorch_utils": "scalestate.integrations.transformers",
+    # every transformers MoE modeling module imports it (its experts' decorator lives there)
+    "transformers.integrations.moe": "scalestate.integrations.transformers_moe",
+}
 
 
 def register_conversion(
@@ -246,8 +250,14 @@ def load_integrations() -> None:
     Importing one never imports its library: only a module already in ``sys.modules`` counts.
     """
     for used, integration in _INTEGRATIONS.items():
-        if used in sys.modules and integration not in sys.modules:
-            importlib.import_module(integration)
+        if used not in sys.modules:
+            continue
+        module = sys.modules.get(integration) or importlib.import_module(integration)
+        # An integration whose conversions depend on which of its library's modules are loaded
+        # (transformers' model families) registers the newly loaded ones at every call.
+        refresh = getattr(module, "register_loaded_families", None)
+        if callable(refresh):
+            refresh()
 
 
 def _type_name(module_type: type) -> str:
