@@ -1,4 +1,4 @@
-"""Hugging Face MoE models: experts converted to FP8 grouped experts, checkpointing bitwise, generate records nothing."""
+"""Hugging Face MoE models: FP8 grouped experts, checkpointing bitwise, generate records nothing."""
 
 from __future__ import annotations
 
@@ -7,8 +7,14 @@ import sys
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssConfig, GptOssExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
@@ -189,7 +195,7 @@ def test_other_layouts_left_alone_and_refused() -> None:
     net = torch.nn.Sequential(experts)
     ss.nn.convert(net, manager)
     assert net[0] is experts and not manager.handles
-    with pytest.raises(ss.errors.ConversionTypeError, match="has_bias|differs"):
+    with pytest.raises(ss.errors.ConversionTypeError, match=r"has_bias|differs"):
         convert_experts(experts, ss.nn.ConversionRequest(manager, "gpt_oss"))
 
 

@@ -168,7 +168,8 @@ def convert_experts(module: torch.nn.Module, request: ConversionRequest) -> Expe
     }
     off = [flag for flag, want in flags.items() if getattr(module, flag, want) != want]
     if (
-        not isinstance(gate_up, Tensor) or not isinstance(down, Tensor) or gate_up.dim() != 3 or down.dim() != 3
+        not isinstance(gate_up, torch.nn.Parameter) or not isinstance(down, torch.nn.Parameter)
+        or gate_up.dim() != 3 or down.dim() != 3
         or gate_up.shape[0] != down.shape[0] or gate_up.shape[1] != 2 * down.shape[2]
         or gate_up.shape[2] != down.shape[1] or off
     ):
