@@ -9,6 +9,14 @@ the high-precision input; ss.nn.Linear saves FP8 (or NVFP4) data and scales only
     python benchmarks/linear.py                        # CPU, 1024 x 1024, 2048 tokens, delayed scaling
     python benchmarks/linear.py --recipes delayed,current,rowwise,block,mxfp8,nvfp4
     python benchmarks/linear.py --device cuda --dtype bfloat16 --size 8192 --tokens 16384
+    python benchmarks/linear.py --experts 8,64         # also grouped MoE experts (ss.nn.GroupedLinear)
+
+With ``--experts``, each count E adds rows for E experts of ``--expert-size``
+features receiving ``--tokens`` tokens split evenly: a loop of
+``torch.nn.functional.linear`` per expert (the baseline of these rows), one
+``ss.nn.GroupedLinear``, and a loop of E ``ss.nn.Linear``; each row also gives
+the operations it dispatches per forward + backward (weights cast, as in a
+step's first microbatch).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 import scalestate as ss
-from scalestate.testing import saved_for_backward_bytes
+from scalestate.testing import OpLog, saved_for_backward_bytes
 
 
 def _time(fn: Callable[[], None], device: torch.device, iters: int, warmup: int = 3) -> float:
@@ -56,6 +64,8 @@ def main() -> None:
     parser.add_argument(
         "--recipes", default="delayed", help=f"comma-separated, from: {', '.join(RECIPES)} (default: delayed)"
     )
+    parser.add_argument("--experts", default="", help="comma-separated expert counts for grouped rows (e.g. 8,64)")
+    parser.add_argument("--expert-size", type=int, default=256, help="in and out features of each expert")
     args = parser.parse_args()
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     unknown = sorted(set(recipes) - set(RECIPES))
@@ -96,6 +106,50 @@ def main() -> None:
             f"  {label:<40} {ms:9.3f} ms   x{ms / rows[0][1]:.2f} of torch.nn.Linear   "
             f"saved for backward {saved / 2**20:7.2f} MiB (x{saved / rows[0][2]:.2f})"
         )
+    for n in [int(e) for e in args.experts.split(",") if e.strip()]:
+        grouped_rows(n, args.expert_size, args.tokens, recipes[0], device, dtype, args.iters)
+
+
+def grouped_rows(
+    n: int, size: int, tokens: int, recipe_name: str, device: torch.device, dtype: torch.dtype, iters: int
+) -> None:
+    """Time and count the operations of E experts: dense loop, GroupedLinear, and a loop of ss.nn.Linear."""
+    sizes = [tokens // n + (e < tokens % n) for e in range(n)]
+    x = torch.randn(tokens, size, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(tokens, size, device=device, dtype=dtype)
+    weight = torch.randn(n, size, size, device=device, dtype=dtype) / size**0.5
+    manager = ss.ScalingStateManager(RECIPES[recipe_name](), backend="emulation")
+    grouped = ss.nn.GroupedLinear(n, size, size, manager=manager, name="grouped", device=device, dtype=dtype)
+    layers = torch.nn.ModuleList(
+        ss.nn.Linear(size, size, bias=False, manager=manager, name=f"loop.{e}", device=device, dtype=dtype)
+        for e in range(n)
+    )
+    dense = torch.nn.Parameter(weight.clone())
+    with torch.no_grad():
+        grouped.weight.copy_(weight)
+        for e, layer in enumerate(layers):
+            layer.weight.copy_(weight[e])
+
+    def dense_step() -> None:
+        torch.cat([torch.nn.functional.linear(p, w) for p, w in zip(x.split(sizes), dense, strict=True)]).backward(g)
+
+    def grouped_step() -> None:
+        grouped(x, sizes).backward(g)
+
+    def loop_step() -> None:
+        torch.cat([layer(p) for layer, p in zip(layers, x.split(sizes), strict=True)]).backward(g)
+
+    print(f"grouped experts: E = {n}, {size} x {size} each, {tokens} tokens ({sizes[0]} per expert), "
+          f"{recipe_name}, emulation, {dtype}, {device}")
+    base = None
+    for label, fn in (("dense loop (F.linear)", dense_step), ("ss.nn.GroupedLinear", grouped_step),
+                      (f"{n} x ss.nn.Linear", loop_step)):
+        manager.step()  # a new scale epoch: the count includes the weight casts of a step's first microbatch
+        with OpLog() as log:
+            fn()
+        ms = _time(fn, device, iters)
+        base = base or ms
+        print(f"  {label:<40} {ms:9.3f} ms   x{ms / base:.2f} of the dense loop   {len(log.ops):6d} ops per fwd+bwd")
 
 
 if __name__ == "__main__":

@@ -176,7 +176,9 @@ def grouped_linear(
     manager = handles[used[0]].manager
     backend = manager.backend
     transpose = backend.wants_transposed(x.device) or manager.recipe.granularity(Role.INPUT) is not None
-    cast_source = views.of(weight) if views is not None else weight.detach().unbind(0)
+    # Compiled code bypasses the weight-cast cache: it casts fresh views (and traces no host state).
+    keep = views is not None and not torch.compiler.is_compiling()
+    cast_source = views.of(weight) if keep and views is not None else weight.detach().unbind(0)
     xs = x.split(sizes)  # type: ignore[no-untyped-call]  # torch leaves Tensor.split untyped
     ws = weight.unbind(0)
     bs = bias.unbind(0) if bias is not None else None
