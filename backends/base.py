@@ -39,7 +39,9 @@ __all__ = [
     "Backend",
     "CastRequest",
     "CastSpec",
+    "GroupedCastRequest",
     "StepUpdate",
+    "SupportsGroupedCast",
     "SupportsRecipe",
     "cast_spec",
     "granularity_label",
@@ -137,6 +139,53 @@ class CastRequest(NamedTuple):
     #: NVFP4 with ``spec.stochastic``: the 0-d int64 key of this cast's random stream
     #: (:func:`scalestate.nvfp4.random_bits`), fixed by the manager per slot, iteration and cast.
     sr_key: Tensor | None = None
+
+
+class GroupedCastRequest(NamedTuple):
+    """One cast of every group of a tensor's rows, each group for a slot of its own (the experts of a
+    mixture-of-experts layer), fully decided by the manager. Per-tensor specs only.
+
+    The rows of the 2-d ``x`` split into ``len(sizes)`` consecutive groups of
+    ``sizes[g]`` rows (each at least one). Group ``g`` is cast exactly as
+    ``CastRequest(x_g, spec, scale[g], jit_g, record[g], transpose)`` would be,
+    where ``jit_g`` is ``jit`` (a bool) or ``jit[g]`` (a ``[G]`` bool tensor):
+    the result is one :class:`~scalestate.Quantized` per group, in order, with
+    the same bits. ``record``, if given, takes ``maximum(record[g], amax(|x_g|))``
+    in place for each group (NaN propagates), so that every group's amax reaches
+    its own slot. A backend casts all groups in one call, with a fixed number of
+    operations for the scales and the data where it can (see
+    :meth:`EmulationBackend.cast_grouped
+    <scalestate.backends.emulation.EmulationBackend.cast_grouped>`).
+    """
+
+    #: The rows to cast, ``(T, K)``, any float dtype (detached). Computed in float32.
+    x: Tensor
+    #: Target dtype and just-in-time rule, shared by every group (``spec.granularity`` is ``None``).
+    spec: CastSpec
+    #: Rows per group, each ``>= 1``, summing to ``T``.
+    sizes: tuple[int, ...]
+    #: ``[G]`` float32: each group's slot scale (a copy; read it).
+    scale: Tensor
+    #: As :attr:`CastRequest.jit`, for every group (a bool), or per group (a ``[G]`` bool tensor).
+    jit: bool | Tensor
+    #: ``None``: record nothing. Else ``[G]`` float32 accumulators, maxed in place.
+    record: Tensor | None = None
+    #: Also produce each group's ``transposed`` orientation (``data_g.t()`` made contiguous).
+    transpose: bool = False
+
+
+@runtime_checkable
+class SupportsGroupedCast(Protocol):
+    """An optional member of a backend: grouped casts (see :class:`GroupedCastRequest`).
+
+    A manager hands a backend that has it one request per role and grouped
+    layer; one without it gets one :class:`CastRequest` per group instead, with
+    the same bits.
+    """
+
+    def cast_grouped(self, request: GroupedCastRequest) -> tuple[Quantized, ...]:
+        """Cast every group of ``request.x``'s rows (see :class:`GroupedCastRequest`)."""
+        ...
 
 
 class StepUpdate(NamedTuple):

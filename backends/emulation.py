@@ -16,7 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from scalestate.backends.base import CastRequest, StepUpdate
+from scalestate.backends.base import CastRequest, GroupedCastRequest, StepUpdate
+from scalestate.errors import CastError
 from scalestate.finegrained import quantize as fine_quantize
 from scalestate.granularity import GranularityKind
 from scalestate.math import scale_from_amax, update_scales
@@ -67,6 +68,43 @@ class EmulationBackend:
         rows = Orientation(data, scale, torch.reciprocal(scale))
         other = Orientation(data.t().contiguous(), rows.scale, rows.scale_inv) if request.transpose else None
         return Quantized.of(rows, other)
+
+    def cast_grouped(self, request: GroupedCastRequest) -> tuple[Quantized, ...]:
+        """Every group's per-tensor cast at once: row amaxes, one max per group, the groups' scales
+        spread over their rows, one saturating round. The same bits as one :meth:`cast` per group
+        (the products and roundings are per element; a max is exact in any order)."""
+        x, spec, sizes = request.x, request.spec, request.sizes
+        if spec.granularity is not None or x.dim() != 2:
+            raise CastError(
+                f"grouped casts take per-tensor specs and 2-d tensors; got granularity {spec.granularity} "
+                f"and shape {tuple(x.shape)} (cast each group with cast() instead)"
+            )
+        xf = x if x.dtype == torch.float32 else x.float()
+        n = len(sizes)
+        counts = torch.tensor(sizes, device=x.device)
+        group_of_row = torch.repeat_interleave(torch.arange(n, device=x.device), counts)
+        row_amax = xf.abs().amax(dim=1)
+        amax = row_amax.new_zeros(n).scatter_reduce_(0, group_of_row, row_amax, "amax")
+        # A scattered max need not keep NaN on every device (atomics): count each group's NaN rows.
+        nan_rows = row_amax.new_zeros(n).index_add_(0, group_of_row, torch.isnan(row_amax).float())
+        amax = torch.where(nan_rows > 0, float("nan"), amax)
+        scale = request.scale
+        if request.jit is False:
+            scale = scale.clone()
+        else:
+            own = scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale)
+            scale = own if request.jit is True else torch.where(request.jit, own, request.scale)
+        data = (xf * scale.index_select(0, group_of_row).unsqueeze(1)).clamp_(-spec.fp8_max, spec.fp8_max)
+        data = data.to(spec.dtype)
+        if request.record is not None:
+            torch.maximum(request.record, amax, out=request.record)
+        scale_inv = torch.reciprocal(scale)
+        out = []
+        for g, part in enumerate(data.split(sizes)):  # type: ignore[no-untyped-call]  # torch leaves split untyped
+            rows = Orientation(part, scale[g], scale_inv[g])
+            other = Orientation(part.t().contiguous(), rows.scale, rows.scale_inv) if request.transpose else None
+            out.append(Quantized.of(rows, other))
+        return tuple(out)
 
     def _cast_fine(self, request: CastRequest) -> Quantized:
         """A fine-grained cast: :func:`scalestate.finegrained.quantize`, then record its amax."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -331,6 +331,12 @@ class ScalingStateManager(PhaseControl):
     ) -> Quantized:
         """A handle's cast (see ScalingHandle.quantize and `scalestate._engine.casting`)."""
         return self._caster.cast(slot, x, transpose, shard, ahead)
+
+    def _cast_grouped(
+        self, slots: Sequence[Slot], x: Tensor, sizes: Sequence[int], transpose: bool
+    ) -> list[Quantized]:
+        """Grouped casts (see scalestate.nn.quantize_grouped and `scalestate._engine.casting`)."""
+        return self._caster.cast_grouped(slots, x, sizes, transpose)
 
     def _scale_of(self, slot: Slot) -> Tensor:
         return self._state.scale_of(slot).clone()

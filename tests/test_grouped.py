@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 import scalestate as ss
-from helpers import MECHANISMS, RECIPES, backend_for, checkpointer
+from helpers import MECHANISMS, RECIPES, assert_same_quantized, backend_for, checkpointer
 from scalestate.testing import CastSpy, OpLog, assert_same
 
 E, IN, OUT = 4, 32, 64
@@ -218,3 +218,51 @@ def test_all_experts_empty() -> None:
         y = layer(torch.randn(0, IN), [0, 0, 0, 0])
     assert y.shape == (0, OUT)
     assert not any("amax" in op or "abs" in op for op in log.ops)
+
+
+def test_one_grouped_cast_per_role_and_layer() -> None:
+    """Per-tensor recipes: every used expert's input in one backend call, every output gradient in another;
+    the weights are cast one by one, once per step (cached)."""
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    layer = ss.nn.GroupedLinear(E, IN, OUT, manager=manager, name="moe")
+    with CastSpy(manager) as spy:
+        for _ in range(2):
+            with manager.forward():
+                y = layer(torch.randn(24, IN), [8, 0, 8, 8])
+            with manager.backward():
+                y.sum().backward()
+    assert [r.sizes for r in spy.grouped_requests] == [(8, 8, 8)] * 4  # input, gradient; two microbatches
+    assert len(spy.requests) == 3  # the used experts' weights, once each
+    assert all(r.record is not None for r in spy.grouped_requests)
+
+
+def test_grouped_cast_matches_one_cast_per_group() -> None:
+    """quantize_grouped against one handle.quantize per group: the same bits and the same records,
+    NaN and zero groups included, just in time and from history."""
+    sizes = [3, 0, 5, 4]
+    x = torch.randn(12, IN) * torch.tensor([1.0, 1e-3, 1e3]).repeat_interleave(4)[:, None]
+    x[9, 2] = float("nan")
+    x[3:8] = 0.0
+    for step in range(2):
+        got, want = [], []
+        for grouped in (True, False):
+            torch.manual_seed(0)
+            manager = ss.ScalingStateManager(ss.DelayedScaling(history_len=2), backend="scaled_mm")
+            handles = ss.nn.register_experts(manager, "g", E)
+            for _ in range(step):  # a step of history for experts 0 and 2 only
+                with manager.forward():
+                    ss.nn.quantize_grouped([handles[0], handles[2]], x[:8] * 4 + 1, [4, 4], ss.Role.INPUT)
+                manager.step()
+            with manager.forward():
+                if grouped:
+                    qs = ss.nn.quantize_grouped(handles, x, sizes, ss.Role.INPUT, transpose=True)
+                else:
+                    parts = x.split(sizes)
+                    qs = tuple(h.quantize(p, ss.Role.INPUT, transpose=True) if n else None
+                               for h, p, n in zip(handles, parts, sizes, strict=True))
+            (got if grouped else want).append([qs, manager.buffers()["step_amax"].clone()])
+        assert got[0][0][1] is None
+        for g in (0, 2, 3):
+            assert_same_quantized(got[0][0][g], want[0][0][g], f"group {g}")
+        assert torch.equal(got[0][1].isnan(), want[0][1].isnan())
+        assert torch.equal(got[0][1].nan_to_num(), want[0][1].nan_to_num())

@@ -38,7 +38,7 @@ from torch import Tensor
 from scalestate._engine.binding import BackendBinding, settle_during_trace
 from scalestate._engine.counting import cast_counts
 from scalestate._engine.state import Slot, State
-from scalestate.backends import CastRequest
+from scalestate.backends import CastRequest, GroupedCastRequest, SupportsGroupedCast
 from scalestate.errors import ArgumentTypeError, ArgumentValueError, CastError, PhaseError
 from scalestate.math import scale_from_amax
 from scalestate.phase import CastKind, classify, in_training_function_forward, read_signals
@@ -127,6 +127,47 @@ class Caster:
             if not self._binding.ready or x.device != self._state.device:
                 self._binding.settle(x.device)
             return self._cast(slot, x, transpose, shard, ahead, compiling=False)
+
+    def cast_grouped(self, slots: Sequence[Slot], x: Tensor, sizes: Sequence[int], transpose: bool) -> list[Quantized]:
+        """Casts of consecutive row groups of ``x`` (``sizes``, each ``>= 1``), group ``g`` for ``slots[g]``.
+
+        One :class:`GroupedCastRequest` where the backend takes it and nothing
+        sets the slots apart (per-tensor scales, a forward-or-backward role
+        other than WEIGHT, eager, no debug mode or statistics); otherwise one
+        :meth:`cast` per group. The same bits and records either way.
+        """
+        parts = x.split(list(sizes))  # type: ignore[no-untyped-call]  # torch leaves Tensor.split untyped
+        st = self._state
+        spec = slots[0].spec
+        if (
+            len(slots) < 2 or torch.compiler.is_compiling() or st.checker is not None or self._stats
+            or spec.granularity is not None or slots[0].role is Role.WEIGHT or x.dim() != 2
+            or not x.is_floating_point() or any(slot.spec != spec for slot in slots)
+        ):
+            return [self.cast(slot, part, transpose) for slot, part in zip(slots, parts, strict=True)]
+        with hidden_from_sac():  # as every eager cast (see cast)
+            if not self._binding.ready or x.device != st.device:
+                self._binding.settle(x.device)
+            backend = self._binding.backend
+            if not isinstance(backend, SupportsGroupedCast):
+                return [self.cast(slot, part, transpose) for slot, part in zip(slots, parts, strict=True)]
+            kind = self._kind(slots[0], False, False)  # one phase, one role: the same for every slot
+            rows = torch.tensor([slot.row for slot in slots], device=st.device)
+            jits = [st.jit(slot, delayed=self._delayed, compiling=False) for slot in slots]
+            if all(j is True for j in jits) or all(j is False for j in jits):
+                jit: bool | Tensor = jits[0]
+            else:
+                jit = torch.stack([torch.as_tensor(j, device=st.device) for j in jits])
+            record = st.step_amax.index_select(0, rows) if kind is CastKind.RECORD else None
+            request = GroupedCastRequest(
+                x.detach(), spec, tuple(sizes), st.scales.index_select(0, rows), jit, record, transpose
+            )
+            out = list(backend.cast_grouped(request))
+            if record is not None:
+                st.step_amax.index_copy_(0, rows, record)
+                for slot in slots:
+                    st.note_recorded(slot)
+            return out
 
     def _cast(
         self, slot: Slot, x: Tensor, transpose: bool, shard: ShardCast | None, ahead: bool, *, compiling: bool

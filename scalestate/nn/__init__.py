@@ -10,7 +10,7 @@ from scalestate.nn.convert import (
     registered_conversions,
     unregister_conversion,
 )
-from scalestate.nn.grouped import ExpertViews, GroupedLinear, grouped_linear, register_experts
+from scalestate.nn.grouped import ExpertViews, GroupedLinear, grouped_linear, quantize_grouped, register_experts
 from scalestate.nn.linear import Linear, linear
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "convert",
     "grouped_linear",
     "linear",
+    "quantize_grouped",
     "register_conversion",
     "register_experts",
     "registered_conversions",

@@ -17,7 +17,7 @@ from torch import Tensor
 from scalestate.backends import Backend
 from scalestate.quantized import Quantized
 
-__all__ = ["FP8LinearFunction", "GradCaster", "product"]
+__all__ = ["FP8LinearFunction", "GradCaster", "backward_products", "forward_product", "product"]
 
 
 #: Casts the output gradient: ``cast_grad(dy, transpose) -> Quantized``.
@@ -47,19 +47,9 @@ class FP8LinearFunction(torch.autograd.Function):
         weight_transposed: bool = False,
     ) -> Tensor:
         ctx.weight_transposed = weight_transposed
-        ctx.fine = qx.tile is not None
-        if ctx.fine:
-            # Each product takes its operands scaled along its own contraction axis:
-            # x and w along in_features here; w along out_features and x along tokens later.
-            out = product(backend, qx.rowwise(), qw.rowwise().t(), out_dtype, bias if add_bias else None)
-            ctx.x_is_transposed = True
-            x_saved, w_saved = qx.columnwise(), qw  # backward needs x only along tokens
-        else:
-            out = product(backend, qx, qw.t(), out_dtype, bias if add_bias else None)
-            # The weight-gradient product needs x in the other layout: keep only that copy when the cast made it.
-            ctx.x_is_transposed = qx.transposed is not None
-            x_saved = qx if qx.other is None else Quantized.of(qx.other)
-            w_saved = qw
+        out, x_saved, w_saved, ctx.x_is_transposed = forward_product(
+            backend, qx, qw, out_dtype, bias if add_bias else None
+        )
         x_tensors, ctx.x_layout = x_saved.flatten()
         w_tensors, ctx.w_layout = w_saved.flatten()
         ctx.n_x = len(x_tensors)
@@ -81,21 +71,56 @@ class FP8LinearFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if need_x or need_w:
             qg = cast_grad(grad_out, ctx.x_is_transposed)
-            if ctx.fine:
-                if need_x:  # dy @ w: both along out_features
-                    grad_x = product(backend, qg.rowwise(), qw.columnwise().t(), x_dtype)
-                if need_w:  # dy.T @ x: both along tokens (qx is x.t() cast along its rows)
-                    grad_w = product(backend, qg.columnwise(), qx.t(), w_dtype)
-            else:
-                if need_x:
-                    grad_x = product(backend, qg, qw, x_dtype)
-                if need_w:
-                    grad_w = product(backend, qg.t(), qx.t() if ctx.x_is_transposed else qx, w_dtype)
+            grad_x, grad_w = backward_products(
+                backend, qg, qx, qw, ctx.x_is_transposed, (x_dtype if need_x else None, w_dtype if need_w else None)
+            )
         if need_b:
             grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
         if grad_w is not None and ctx.weight_transposed:
             grad_w = grad_w.t()  # the same values, in the parameter's (in, out) layout
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def forward_product(
+    backend: Backend, qx: Quantized, qw: Quantized, out_dtype: torch.dtype, bias: Tensor | None
+) -> tuple[Tensor, Quantized, Quantized, bool]:
+    """``x @ w.T + bias`` from the casts: ``(out, x_saved, w_saved, x_is_transposed)``, where the
+    saved operands are what the backward products need, and ``x_is_transposed`` says whether
+    ``x_saved`` is ``x.t()`` (the gradient cast then makes the other layout too)."""
+    if qx.tile is not None:
+        # Each product takes its operands scaled along its own contraction axis:
+        # x and w along in_features here; w along out_features and x along tokens later.
+        out = product(backend, qx.rowwise(), qw.rowwise().t(), out_dtype, bias)
+        return out, qx.columnwise(), qw, True  # backward needs x only along tokens
+    out = product(backend, qx, qw.t(), out_dtype, bias)
+    # The weight-gradient product needs x in the other layout: keep only that copy when the cast made it.
+    x_saved = qx if qx.other is None else Quantized.of(qx.other)
+    return out, x_saved, qw, qx.transposed is not None
+
+
+def backward_products(
+    backend: Backend,
+    qg: Quantized,
+    qx: Quantized,
+    qw: Quantized,
+    x_is_transposed: bool,
+    dtypes: tuple[torch.dtype | None, torch.dtype | None],
+) -> tuple[Tensor | None, Tensor | None]:
+    """The input and weight gradients from the cast output gradient and the saved operands of
+    :func:`forward_product`; ``dtypes`` gives each one's dtype, ``None`` for a gradient not needed."""
+    x_dtype, w_dtype = dtypes
+    grad_x = grad_w = None
+    if qx.tile is not None:
+        if x_dtype is not None:  # dy @ w: both along out_features
+            grad_x = product(backend, qg.rowwise(), qw.columnwise().t(), x_dtype)
+        if w_dtype is not None:  # dy.T @ x: both along tokens (qx is x.t() cast along its rows)
+            grad_w = product(backend, qg.columnwise(), qx.t(), w_dtype)
+        return grad_x, grad_w
+    if x_dtype is not None:
+        grad_x = product(backend, qg, qw, x_dtype)
+    if w_dtype is not None:
+        grad_w = product(backend, qg.t(), qx.t() if x_is_transposed else qx, w_dtype)
+    return grad_x, grad_w
 
 
 def product(

@@ -20,7 +20,6 @@ builds Hugging Face experts on it.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Sequence
@@ -29,15 +28,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from scalestate.backends import Backend
 from scalestate.errors import ArgumentTypeError, ArgumentValueError, CastError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.nn.base import free_name
-from scalestate.nn.function import FP8LinearFunction
-from scalestate.nn.linear import _cast_grad
+from scalestate.nn.function import backward_products, forward_product
+from scalestate.quantized import Quantized
 from scalestate.recipe import Role
 
-__all__ = ["ExpertViews", "GroupedLinear", "grouped_linear", "register_experts"]
+__all__ = [
+    "ExpertViews",
+    "GroupedFP8LinearFunction",
+    "GroupedLinear",
+    "grouped_linear",
+    "quantize_grouped",
+    "register_experts",
+]
 
 
 class ExpertViews:
@@ -109,6 +116,135 @@ def _group_sizes(group_sizes: Tensor | Sequence[int], n_experts: int, n_tokens: 
     return sizes
 
 
+def quantize_grouped(
+    handles: Sequence[ScalingHandle],
+    x: Tensor,
+    group_sizes: Tensor | Sequence[int],
+    role: Role,
+    *,
+    transpose: bool = False,
+) -> tuple[Quantized | None, ...]:
+    """Cast each group of ``x``'s rows for ``role`` through its own handle: group ``g`` (rows
+    ``sum(group_sizes[:g]) .. sum(group_sizes[:g + 1])``) as ``handles[g].quantize(x_g, role,
+    transpose=transpose)`` would cast it, with the same bits and records.
+
+    Where the backend takes grouped casts (see
+    :class:`~scalestate.backends.GroupedCastRequest`) and the recipe scales per
+    tensor, every group is cast in one backend call, with one
+    accumulator update for all; otherwise, and for ``WEIGHT`` (whose casts are
+    cached per tensor), one cast per group. Empty groups cast and record nothing.
+
+    Args:
+        handles: one per group, all of one manager, each registered with ``role``.
+        x: ``(T, K)``, ordered by group.
+        group_sizes: ``G`` non-negative row counts summing to ``T``.
+        role: the role every group is cast for.
+        transpose: also make each group's other orientation (see :meth:`ScalingHandle.quantize`).
+
+    Returns:
+        One :class:`~scalestate.Quantized` per group, ``None`` for an empty one.
+
+    Raises:
+        ArgumentTypeError, ArgumentValueError: bad handles or group sizes.
+        CastError: ``x`` is not a 2-d floating-point tensor.
+    """
+    handles = tuple(handles)
+    if not handles or not all(isinstance(h, ScalingHandle) for h in handles):
+        raise ArgumentTypeError("quantize_grouped: handles must be a non-empty sequence of ScalingHandles")
+    manager = handles[0].manager
+    if any(h.manager is not manager for h in handles):
+        raise ArgumentValueError("quantize_grouped: every handle must belong to one manager")
+    if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
+        got = f"shape {tuple(x.shape)}, {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+        raise CastError(f"quantize_grouped: x must be a 2-d floating-point tensor (rows by group); got {got}")
+    sizes = _group_sizes(group_sizes, len(handles), x.shape[0], f"quantize_grouped {handles[0].name!r}...")
+    return _cast_groups(handles, x, sizes, role, transpose)
+
+
+def _cast_groups(
+    handles: Sequence[ScalingHandle], x: Tensor, sizes: Sequence[int], role: Role, transpose: bool
+) -> tuple[Quantized | None, ...]:
+    """:func:`quantize_grouped` on checked arguments."""
+    used = [g for g, n in enumerate(sizes) if n]
+    out: list[Quantized | None] = [None] * len(sizes)
+    if not used:
+        return tuple(out)
+    slots = [handles[g]._slot(role) for g in used]
+    cast = handles[0].manager._cast_grouped(slots, x, [sizes[g] for g in used], transpose)
+    for g, q in zip(used, cast, strict=True):
+        out[g] = q
+    return tuple(out)
+
+
+class GroupedFP8LinearFunction(torch.autograd.Function):
+    """Every used expert's ``x_e @ w_e.T + b_e`` from casts already made; backward casts the output
+    gradient of all experts at once (:func:`quantize_grouped`) and runs each expert's two products as
+    :class:`~scalestate.nn.function.FP8LinearFunction` does. Only FP8 tensors and scales are saved."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        used: tuple[int, ...],
+        sizes: tuple[int, ...],
+        qxs: list[Quantized],
+        qws: list[Quantized],
+        handles: tuple[ScalingHandle, ...],
+        backend: Backend,
+        out_dtype: torch.dtype,
+    ) -> Tensor:
+        outs: list[Tensor] = []
+        tensors: list[Tensor] = []
+        layouts: list[tuple[int, Any]] = []
+        x_is_transposed = False
+        for e, qx, qw in zip(used, qxs, qws, strict=True):
+            out, x_saved, w_saved, x_is_transposed = forward_product(
+                backend, qx, qw, out_dtype, None if bias is None else bias[e]
+            )
+            outs.append(out)
+            for q in (x_saved, w_saved):
+                flat, layout = q.flatten()
+                tensors.extend(flat)
+                layouts.append((len(flat), layout))
+        ctx.save_for_backward(*tensors)
+        ctx.layouts, ctx.used, ctx.sizes, ctx.handles, ctx.backend = layouts, used, sizes, handles, backend
+        ctx.x_is_transposed = x_is_transposed
+        ctx.shapes = (weight.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        w_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        used, sizes = ctx.used, ctx.sizes
+        if need_x or need_w:
+            saved, at, ops = ctx.saved_tensors, 0, []
+            for n, layout in ctx.layouts:
+                ops.append(Quantized.unflatten(saved[at : at + n], layout))
+                at += n
+            qgs = _cast_groups([ctx.handles[e] for e in used], grad_out, sizes, Role.GRAD_OUTPUT, ctx.x_is_transposed)
+            dtypes = (x_dtype if need_x else None, w_dtype if need_w else None)
+            grads = [
+                backward_products(ctx.backend, qg, ops[2 * i], ops[2 * i + 1], ctx.x_is_transposed, dtypes)
+                for i, qg in enumerate(qgs)
+                if qg is not None
+            ]
+            if need_x:
+                parts = [gx for gx, _ in grads]
+                grad_x = parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type]
+            if need_w:
+                grad_w = grad_out.new_zeros(w_shape, dtype=w_dtype)
+                grad_w[list(used)] = torch.stack([gw for _, gw in grads])  # type: ignore[misc]
+        if need_b:
+            grad_b = grad_out.new_zeros((w_shape[0], w_shape[1]), dtype=b_dtype)
+            for e, part in zip(used, grad_out.split(sizes), strict=True):  # type: ignore[no-untyped-call]
+                grad_b[e] = part.sum(0, dtype=torch.float32).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+
+
 def grouped_linear(
     x: Tensor,
     weight: Tensor,
@@ -123,8 +259,10 @@ def grouped_linear(
     Rows ``sum(group_sizes[:e]) .. sum(group_sizes[:e + 1])`` of ``x`` belong to
     expert ``e`` and are multiplied by ``weight[e]`` (plus ``bias[e]``) through
     ``handles[e]``, exactly as :func:`scalestate.nn.linear` would multiply them:
-    the same casts, products and bits. Experts with no tokens cast and record
-    nothing; their weight gradient is zero.
+    the same casts, products and bits. The inputs of all experts are cast in one
+    grouped cast, and so are their output gradients (see :func:`quantize_grouped`);
+    each expert's weight cast is cached as a ``Linear`` weight's is. Experts with
+    no tokens cast and record nothing; their weight gradient is zero.
 
     ``group_sizes`` is read on the host once per call (a tensor costs one
     device synchronization, as ``torch.nn.functional.grouped_mm``'s callers
@@ -137,7 +275,7 @@ def grouped_linear(
         group_sizes: ``E`` non-negative token counts summing to ``T`` (an integer
             tensor or a sequence of ints).
         handles: ``E`` handles, each with the roles INPUT, WEIGHT and GRAD_OUTPUT
-            (see :func:`register_experts`).
+            (see :func:`register_experts`), all of one manager.
         views: where the per-expert weight views are kept between calls (see
             :class:`ExpertViews`), so that each expert's weight cast is cached;
             without it every call casts every used expert's weight again.
@@ -163,36 +301,30 @@ def grouped_linear(
             f"(see ss.nn.register_experts); got {len(handles)}"
         )
     where = f"grouped_linear {handles[0].name!r}..." if handles else "grouped_linear"
+    if any(h.manager is not handles[0].manager for h in handles):
+        raise ArgumentValueError(f"{where}: every expert's handle must belong to one manager")
     if x.dim() != 2 or x.shape[1] != in_features:
         raise CastError(f"{where}: input must be (tokens, {in_features}); got shape {tuple(x.shape)}")
     if bias is not None and tuple(bias.shape) != (n_experts, out_features):
         raise CastError(f"{where}: bias must be ({n_experts}, {out_features}); got shape {tuple(bias.shape)}")
     sizes = _group_sizes(group_sizes, n_experts, x.shape[0], where)
-    used = [e for e, n in enumerate(sizes) if n]
+    used = tuple(e for e, n in enumerate(sizes) if n)
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     if not used:
         return x.new_zeros((0, out_features), dtype=out_dtype)
-    manager = handles[used[0]].manager
+    manager = handles[0].manager
     backend = manager.backend
     transpose = backend.wants_transposed(x.device) or manager.recipe.granularity(Role.INPUT) is not None
     # Compiled code bypasses the weight-cast cache: it casts fresh views (and traces no host state).
     keep = views is not None and not torch.compiler.is_compiling()
     cast_source = views.of(weight) if keep and views is not None else weight.detach().unbind(0)
-    xs = x.split(sizes)  # type: ignore[no-untyped-call]  # torch leaves Tensor.split untyped
-    ws = weight.unbind(0)
-    bs = bias.unbind(0) if bias is not None else None
-    outs = []
-    for e in used:
-        handle = handles[e]
-        qx = handle.quantize(xs[e], Role.INPUT, transpose=transpose)
-        qw = handle.quantize(cast_source[e], Role.WEIGHT, transpose=transpose)
-        cast_grad = functools.partial(_cast_grad, handle)
-        b = None if bs is None else bs[e]
-        outs.append(
-            FP8LinearFunction.apply(xs[e], ws[e], b, qx, qw, cast_grad, backend, out_dtype)  # type: ignore[no-untyped-call]
-        )
-    out: Tensor = outs[0] if len(outs) == 1 else torch.cat(outs)
+    qxs = _cast_groups(handles, x, sizes, Role.INPUT, transpose)
+    qws = [handles[e].quantize(cast_source[e], Role.WEIGHT, transpose=transpose) for e in used]
+    out: Tensor = GroupedFP8LinearFunction.apply(  # type: ignore[no-untyped-call]
+        x, weight, bias, used, tuple(sizes[e] for e in used), [qxs[e] for e in used], qws, handles,
+        manager.backend, out_dtype,
+    )
     return out
 
 

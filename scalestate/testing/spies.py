@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from scalestate import Quantized, ScalingStateManager
-from scalestate.backends import Backend, CastRequest
+from scalestate.backends import Backend, CastRequest, GroupedCastRequest
 
 __all__ = ["CastSpy", "OpLog", "saved_for_backward_bytes"]
 
@@ -79,7 +79,9 @@ class CastSpy:
     just-in-time cast starts from), ``request.jit``, ``request.record`` (the
     accumulator the amax goes into, ``None`` for a cast that records nothing)
     and ``request.x``, the tensor cast (a detached view: compare storage with
-    :meth:`casts_of`).
+    :meth:`casts_of`). A backend's grouped casts (``cast_grouped``, which
+    grouped layers such as :class:`scalestate.nn.GroupedLinear` call) are kept
+    apart, in :attr:`grouped_requests`; ``on_cast`` sees per-tensor casts only.
 
     Args:
         target: the manager or backend to watch.
@@ -119,8 +121,12 @@ class CastSpy:
         self.casting = False
         self._on_cast = on_cast
         self._keep = keep
+        #: Each grouped request (a backend's ``cast_grouped``, see
+        #: :class:`~scalestate.backends.GroupedCastRequest`), in order (while ``keep``).
+        self.grouped_requests: list[GroupedCastRequest] = []
         #: Per open with-block: whether the instance had a ``cast`` of its own, and the ``cast`` replaced.
         self._replaced: list[tuple[bool, Callable[[CastRequest], Quantized]]] = []
+        self._replaced_grouped: list[tuple[bool, Any]] = []
 
     def __enter__(self) -> CastSpy:
         if isinstance(self._target, ScalingStateManager) and not self._replaced:
@@ -144,6 +150,22 @@ class CastSpy:
         # An instance attribute shadows the class's method; deleting it on exit restores the method.
         self._replaced.append(("cast" in vars(self.backend), real))
         self.backend.cast = cast  # type: ignore[method-assign]  # instance patch, undone in __exit__
+        real_grouped = getattr(self.backend, "cast_grouped", None)
+        self._replaced_grouped.append(("cast_grouped" in vars(self.backend), real_grouped))
+        if real_grouped is not None:
+
+            @functools.wraps(real_grouped)
+            def cast_grouped(request: GroupedCastRequest) -> tuple[Quantized, ...]:
+                self.casting = True
+                try:
+                    qs: tuple[Quantized, ...] = real_grouped(request)
+                finally:
+                    self.casting = False
+                if self._keep:
+                    self.grouped_requests.append(request)
+                return qs
+
+            self.backend.cast_grouped = cast_grouped  # type: ignore[attr-defined]  # instance patch, undone on exit
         return self
 
     def __exit__(
@@ -154,6 +176,11 @@ class CastSpy:
             self.backend.cast = real  # type: ignore[method-assign,assignment]  # what the instance had before
         else:
             del self.backend.cast
+        had_grouped, real_grouped = self._replaced_grouped.pop()
+        if had_grouped:
+            self.backend.cast_grouped = real_grouped  # type: ignore[attr-defined]
+        elif real_grouped is not None:
+            del self.backend.cast_grouped  # type: ignore[attr-defined]
 
     def casts_of(self, tensor: Tensor) -> int:
         """How many of the requests cast ``tensor`` (a request whose ``x`` starts at its storage address)."""
