@@ -97,11 +97,17 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction[argparse.ArgumentPa
             "and largest amax of the history, headroom and uncovered growth in bits, non-finite steps, and "
             "flags: low-headroom (the amax outgrew what its history covered by over 1 bit, delayed scaling), "
             "non-finite, no-amax (never recorded), constant (the same amax over the whole history), no-step "
-            "(casts recorded, manager.step() never called). CKPT may hold the state itself or a dict or list "
+            "(casts recorded, manager.step() never called). Numbered slots of one prefix (the experts of a "
+            "grouped MoE layer) share one line per role, with the spread of their scales and the experts that "
+            "never received tokens named. CKPT may hold the state itself or a dict or list "
             "holding it at any depth. See docs/cli.md and docs/diagnostics.md."
         ),
     )
     inspect.add_argument("--check", action="store_true", help="exit with status 3 if any slot is flagged")
+    inspect.add_argument(
+        "--per-expert", action="store_true",
+        help="one line per expert of a grouped (MoE) layer, instead of one per layer and role with their spread",
+    )
     plot = sub.add_parser(
         "plot", parents=[common],
         help="draw each slot's amax history and scale to a PNG (needs scalestate[plot])",
@@ -173,7 +179,7 @@ def _checkpoint_command(args: argparse.Namespace) -> int:
         console.print("  no slots: the manager had no module registered when this state was saved", markup=False,
                       highlight=False)
     else:
-        console.print(stats_table(stats))
+        console.print(stats_table(stats, per_expert=args.per_expert))
     risky = stats.at_risk()
     used = sorted({f for s in risky for f in s.flags}, key=list(FLAG_HELP).index)
     for flag in used:

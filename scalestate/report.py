@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,15 @@ from scalestate.errors import MissingDependencyError, ScaleStateError, StateDict
 from scalestate.persist import is_state_dict, read_format_version, recipe_from_dict
 from scalestate.recipe import Role
 
-__all__ = ["find_states", "load_checkpoint", "plot_stats", "select_state", "stats_from_state_dict", "stats_table"]
+__all__ = [
+    "expert_groups",
+    "find_states",
+    "load_checkpoint",
+    "plot_stats",
+    "select_state",
+    "stats_from_state_dict",
+    "stats_table",
+]
 
 #: What each flag means, in one line (the table's legend).
 FLAG_HELP = {
@@ -240,8 +248,47 @@ def _fmt(value: float) -> str:
     return f"{value:.4g}"
 
 
-def stats_table(stats: ScalingStats, title: str | None = None) -> Any:
-    """A ``rich.table.Table`` of every slot, with its flags (see :data:`FLAG_HELP`)."""
+def expert_groups(slots: Sequence[SlotStats]) -> list[SlotStats | list[SlotStats]]:
+    """``slots`` in order, with the experts of one grouped layer and role (names ``"<prefix>.<e>"`` for
+    two or more integers ``e``, as :class:`scalestate.nn.GroupedLinear` names them) gathered into one
+    list, ordered by ``e``, at the place of its first member."""
+    members: dict[tuple[str, object], list[SlotStats]] = {}
+    for s in slots:
+        prefix, _, last = s.name.rpartition(".")
+        if prefix and last.isdigit():
+            members.setdefault((prefix, s.role), []).append(s)
+    out: list[SlotStats | list[SlotStats]] = []
+    placed: set[tuple[str, object]] = set()
+    for s in slots:
+        prefix, _, last = s.name.rpartition(".")
+        key = (prefix, s.role)
+        group = members.get(key) if prefix and last.isdigit() else None
+        if group is None or len(group) < 2:
+            out.append(s)
+        elif key not in placed:
+            placed.add(key)
+            out.append(sorted(group, key=lambda m: int(m.name.rpartition(".")[2])))
+    return out
+
+
+def _spread(values: Sequence[float]) -> str:
+    low, high = min(values), max(values)
+    return _fmt(low) if low == high else f"{_fmt(low)} .. {_fmt(high)}"
+
+
+def _headroom(value: float) -> str:
+    return "inf" if math.isinf(value) else f"{0.0 if abs(value) < 0.005 else value:.2f}"
+
+
+def stats_table(stats: ScalingStats, title: str | None = None, *, per_expert: bool = False) -> Any:
+    """A ``rich.table.Table`` of every slot, with its flags (see :data:`FLAG_HELP`).
+
+    The experts of a grouped layer (see :func:`expert_groups`) share one line
+    per role, with the spread (smallest .. largest) of their scales and amaxes,
+    the smallest headroom, and the experts that never received a token (no
+    amax in their history) named in the flag (``no-amax[1,3]``);
+    ``per_expert=True`` gives each its own line.
+    """
     from rich.table import Table
     from rich.text import Text
 
@@ -251,14 +298,31 @@ def stats_table(stats: ScalingStats, title: str | None = None) -> Any:
     for name in ("scale", "newest amax", "max amax", "headroom (bits)", "uncovered (bits)", "non-finite steps"):
         table.add_column(name, justify="right")
     table.add_column("flags")
-    for s in stats.slots():
-        headroom = s.headroom_bits
-        flags = ", ".join(f.value for f in s.flags)
-        style = "bold red" if s.flags else None
+    rows = [[s] for s in stats.slots()] if per_expert else [
+        entry if isinstance(entry, list) else [entry] for entry in expert_groups(stats.slots())
+    ]
+    for group in rows:
+        s = group[0]
+        flags = [f.value for f in RiskFlag if any(f in m.flags for m in group)]
+        style = "bold red" if flags else None
+        if len(group) == 1:
+            table.add_row(
+                Text(s.name), s.role.value, _fmt(s.scale), _fmt(s.amax), _fmt(s.amax_max), _headroom(s.headroom_bits),
+                f"{s.uncovered_bits:.2f}", str(s.nonfinite_steps), Text(", ".join(flags)), style=style,
+            )
+            continue
+        prefix = s.name.rpartition(".")[0]
+        ids = [m.name.rpartition(".")[2] for m in group]
+        idle = [i for i, m in zip(ids, group, strict=True) if RiskFlag.NO_AMAX in m.flags]
+        if idle:  # name the experts that never recorded (no tokens): the others have amaxes
+            label = RiskFlag.NO_AMAX.value
+            flags[flags.index(label)] = f"{label}[{','.join(idle)}]"
         table.add_row(
-            Text(s.name), s.role.value, _fmt(s.scale), _fmt(s.amax), _fmt(s.amax_max),
-            "inf" if math.isinf(headroom) else f"{0.0 if abs(headroom) < 0.005 else headroom:.2f}",
-            f"{s.uncovered_bits:.2f}", str(s.nonfinite_steps), flags, style=style,
+            Text(f"{prefix}.{{{ids[0]}..{ids[-1]}}} ({len(group)} slots)"), s.role.value,
+            _spread([m.scale for m in group]), _spread([m.amax for m in group]),
+            _fmt(max(m.amax_max for m in group)), _headroom(min(m.headroom_bits for m in group)),
+            f"{max(m.uncovered_bits for m in group):.2f}", str(sum(m.nonfinite_steps for m in group)),
+            Text(", ".join(flags)), style=style,
         )
     return table
 

@@ -1,0 +1,40 @@
+"""`scalestate inspect` on grouped experts: one line per layer and role, idle experts named."""
+
+from __future__ import annotations
+
+import torch
+
+import scalestate as ss
+from scalestate.cli import main
+
+
+def _state(tmp_path) -> str:
+    torch.manual_seed(0)
+    manager = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+    experts = ss.nn.GroupedLinear(4, 16, 16, manager=manager, name="moe")
+    head = ss.nn.Linear(16, 16, manager=manager, name="head")
+    for _ in range(2):
+        with manager.forward():
+            y = head(experts(torch.randn(12, 16), [4, 0, 8, 0]))
+        with manager.backward():
+            y.square().mean().backward()
+        manager.step()
+    torch.save(manager.state_dict(), tmp_path / "s.pt")
+    return str(tmp_path / "s.pt")
+
+
+def test_inspect_groups_experts(tmp_path, capsys) -> None:
+    path = _state(tmp_path)
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    moe = [r for r in rows if "moe." in r]
+    assert len(moe) == 3 and all("moe.{0..3} (4 slots)" in r for r in moe)  # one per role
+    assert all("no-amax[1,3]" in r for r in moe), out  # the experts that never received a token
+    assert " .. " in moe[0]  # the spread of the used experts' scales (1 for the idle ones)
+    assert len([r for r in rows if "head" in r]) == 3
+    assert "15 slots" in out  # the header still counts every slot
+
+    assert main(["inspect", "--per-expert", path]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert len([r for r in rows if "moe." in r]) == 12
