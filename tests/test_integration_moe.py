@@ -19,7 +19,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssConfig, GptOssExp
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 import scalestate as ss
-from scalestate.integrations.transformers_moe import Experts, convert_experts, route
+from scalestate.integrations.transformers_moe import Experts, convert_experts
 from scalestate.testing import assert_same, sqnr
 
 VOCAB, E, K = 64, 4, 2
@@ -126,7 +126,7 @@ def test_forward_and_gradients_equal_a_per_expert_loop(recipe: ss.Recipe) -> Non
 
 def test_route_orders_by_expert_and_drops_foreign_indices() -> None:
     index = torch.tensor([[2, 0], [1, 2], [4, 0]])  # 4: no expert of these 3 (one on another rank)
-    order, tokens, sizes = route(index, 3)
+    order, tokens, sizes = ss.nn.sort_by_expert(index, 3)
     assert sizes.tolist() == [2, 1, 2]
     assert tokens.tolist() == [0, 2, 1, 0, 1]
     assert order.tolist() == [1, 5, 2, 0, 3]

@@ -40,9 +40,10 @@ from torch import Tensor
 from scalestate.errors import ConversionTypeError
 from scalestate.manager import ScalingStateManager
 from scalestate.nn.grouped import ExpertViews, grouped_linear, register_experts
+from scalestate.nn.grouped_cast import sort_by_expert
 from scalestate.nn.registry import ConversionRequest, register_conversion, registered_conversions
 
-__all__ = ["FAMILIES", "Experts", "convert_experts", "register_loaded_families", "route"]
+__all__ = ["FAMILIES", "Experts", "convert_experts", "register_loaded_families"]
 
 #: The transformers model packages whose experts convert, with the expert class of each.
 FAMILIES: dict[str, str] = {
@@ -62,25 +63,6 @@ FAMILIES: dict[str, str] = {
     "glm4_moe": "Glm4MoeExperts",
     "hunyuan_v1_moe": "HunYuanMoEV1Experts",
 }
-
-
-def route(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Token assignments ordered by expert: ``(order, tokens, group_sizes)``.
-
-    ``order`` indexes the flattened ``[T * k]`` assignments so that they run
-    expert by expert (tokens in ascending order within each expert),
-    ``tokens`` is the token of each, and ``group_sizes`` the ``[E]`` counts.
-    Indices outside ``0 .. E - 1`` (transformers' marker of an expert held
-    by another rank) are dropped.
-    """
-    k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1)
-    valid = (flat >= 0) & (flat < num_experts)
-    keyed = torch.where(valid, flat, num_experts)  # the dropped ones sort last
-    order = torch.argsort(keyed, stable=True)
-    sizes = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts]
-    order = order[: int(valid.sum())]
-    return order, torch.div(order, k, rounding_mode="floor"), sizes
 
 
 class Experts(torch.nn.Module):
@@ -133,7 +115,7 @@ class Experts(torch.nn.Module):
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """``sum_k w_k * down_e(act(gate_e(x)) * up_e(x))`` over each token's experts ``e``."""
-        order, tokens, sizes = route(top_k_index, self.num_experts)
+        order, tokens, sizes = sort_by_expert(top_k_index, self.num_experts)
         x = hidden_states[tokens]
         h = grouped_linear(x, self.gate_up_proj, None, sizes, self.gate_up_handles, views=self._views[0])
         gate, up = h.chunk(2, dim=-1)

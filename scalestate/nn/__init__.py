@@ -10,7 +10,8 @@ from scalestate.nn.convert import (
     registered_conversions,
     unregister_conversion,
 )
-from scalestate.nn.grouped import ExpertViews, GroupedLinear, grouped_linear, quantize_grouped, register_experts
+from scalestate.nn.grouped import ExpertViews, GroupedLinear, grouped_linear, register_experts
+from scalestate.nn.grouped_cast import quantize_grouped, sort_by_expert
 from scalestate.nn.linear import Linear, linear
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "register_conversion",
     "register_experts",
     "registered_conversions",
+    "sort_by_expert",
     "unregister_conversion",
 ]
