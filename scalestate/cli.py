@@ -65,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
         "two <= --d-model when that is smaller, so that every weight spans at least one whole block",
     )
     demo.add_argument(
+        "--moe", action="store_true",
+        help="mixture of experts: every block's MLP is --experts GELU experts, each token routed to --top-k "
+        "of them (FP8 grouped experts, one slot per expert; the router stays in high precision)",
+    )
+    demo.add_argument("--experts", type=int, default=8, help="experts per MoE block (with --moe)")
+    demo.add_argument("--top-k", type=int, default=2, help="experts per token (with --moe)")
+    demo.add_argument(
         "--no-fp32", action="store_true", help="skip the fp32 reference run (faster)"
     )
     demo.add_argument(

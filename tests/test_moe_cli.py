@@ -38,3 +38,35 @@ def test_inspect_groups_experts(tmp_path, capsys) -> None:
     assert main(["inspect", "--per-expert", path]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
     assert len([r for r in rows if "moe." in r]) == 12
+
+
+SMALL = ["--steps", "3", "--quiet", "--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
+         "--microbatch-size", "2", "--microbatches", "2"]
+
+
+def test_demo_moe_reports_bitwise_parity(capsys) -> None:
+    """`scalestate demo --moe`: MoE blocks (experts and top-k said), FP8 against fp32, checkpointing bitwise."""
+    assert main(["demo", "--moe", "--experts", "4", "--top-k", "2", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "MoE:     every block's MLP is 4 experts, top-2 per token" in out
+    assert "FP8 vs fp32 held-out loss" in out and out.count("EQUAL") == 4 and "OK:" in out
+
+
+def test_demo_moe_refuses_bad_top_k(capsys) -> None:
+    import pytest
+
+    with pytest.raises(SystemExit, match=r"--top-k must be in 1 \.\. --experts"):
+        main(["demo", "--moe", "--experts", "4", "--top-k", "5", *SMALL])
+
+
+def test_tiny_lm_moe_converts_experts_not_router() -> None:
+    from scalestate.testing import MoE, TinyLM
+
+    model = TinyLM(d_model=32, n_layers=2, n_heads=2, seq_len=16, moe=(4, 2))
+    router = model.blocks[0].moe.router
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    ss.nn.convert(model, manager)
+    block = model.blocks[1]
+    assert isinstance(block.moe, MoE) and block.moe.router is not None
+    assert isinstance(block.moe.up, ss.nn.GroupedLinear) and model.blocks[0].moe.router is router
+    assert "blocks.1.moe.down.3" in manager.handles and not any("router" in n for n in manager.handles)

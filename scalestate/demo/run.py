@@ -26,16 +26,19 @@ def _config(args: argparse.Namespace) -> DemoConfig:
         seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
         lr=args.lr, seed=args.seed, backend=args.backend, recipe=args.recipe,
         history_len=args.history_len, block=args.block,
+        moe_experts=args.experts if args.moe else 0, top_k=args.top_k,
     )
     flags = {
         "steps": "--steps", "microbatches": "--microbatches", "microbatch_size": "--microbatch-size",
         "seq_len": "--seq-len", "d_model": "--d-model", "n_layers": "--layers", "n_heads": "--heads",
-        "history_len": "--history-len", "block": "--block",
+        "history_len": "--history-len", "block": "--block", "top_k": "--top-k",
     }
     for field, flag in flags.items():
         value = getattr(cfg, field)
         if value is not None and value < 1:
             raise SystemExit(f"scalestate demo: {flag} must be >= 1; got {value}")
+    if args.moe and not 1 <= cfg.top_k <= args.experts:
+        raise SystemExit(f"scalestate demo: --top-k must be in 1 .. --experts ({args.experts}); got {cfg.top_k}")
     if cfg.d_model % cfg.n_heads:
         raise SystemExit(f"scalestate demo: --d-model ({cfg.d_model}) must be divisible by --heads ({cfg.n_heads})")
     return cfg
@@ -100,6 +103,7 @@ def _run(args: argparse.Namespace, cfg: DemoConfig, recipe: ss.Recipe) -> int:
         f"  data:    docstrings of {len(MODULES)} standard-library modules ({chars:,} chars), 95/5 split\n"
         f"  FP8:     {recipe!r}, backend {cfg.backend!r}\n"
         f"{_layout_line(cfg, recipe)}"
+        f"{_moe_line(cfg)}"
         f"{_ranks_line(world)}"
         f"  torch {torch.__version__}, {torch.get_num_threads()} threads\n",
         flush=True,
@@ -176,6 +180,15 @@ def _layout_line(cfg: DemoConfig, recipe: ss.Recipe) -> str:
     return f"  scales:  {what}\n"
 
 
+def _moe_line(cfg: DemoConfig) -> str:
+    if not cfg.moe_experts:
+        return ""
+    return (
+        f"  MoE:     every block's MLP is {cfg.moe_experts} experts, top-{cfg.top_k} per token "
+        "(ss.nn.GroupedLinear: one slot per expert; router in high precision)\n"
+    )
+
+
 def _ranks_line(world: int) -> str:
     if world == 1:
         return ""
@@ -201,6 +214,8 @@ def _probe_model(cfg: DemoConfig) -> torch.nn.Module:
     from scalestate.testing import TinyLM
 
     with torch.device("meta"):
-        return TinyLM(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, seq_len=cfg.seq_len)
+        return TinyLM(
+            d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, seq_len=cfg.seq_len, moe=cfg.moe()
+        )
 
 

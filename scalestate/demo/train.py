@@ -57,6 +57,14 @@ class DemoConfig:
     history_len: int = 16
     #: Tile and weight-block edge of ``"block"``; ``None``: :meth:`block_size` picks it.
     block: int | None = None
+    #: Mixture of experts: every block's MLP is this many experts (0: a dense MLP), each
+    #: token routed to ``top_k`` of them (see :class:`scalestate.testing.MoE`).
+    moe_experts: int = 0
+    top_k: int = 2
+
+    def moe(self) -> tuple[int, int] | None:
+        """``(experts, top_k)`` of the model's MoE blocks, or ``None`` for dense ones."""
+        return (self.moe_experts, self.top_k) if self.moe_experts else None
 
     def block_size(self) -> int:
         """The block of ``"block"``: ``block`` if given, else 128, or the largest power
@@ -132,7 +140,7 @@ def train(
     torch.manual_seed(cfg.seed)
     model = TinyLM(
         d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-        seq_len=cfg.seq_len, checkpoint=checkpoint,
+        seq_len=cfg.seq_len, checkpoint=checkpoint, moe=cfg.moe(),
     )
     manager = None
     if fp8:

@@ -16,7 +16,8 @@ dependencies).
 * :func:`registered_backend`: a backend registered for one ``with`` block.
 * :class:`TinyLM` and :class:`Block`: the small transformer of
   ``scalestate demo``, made of plain ``torch.nn`` layers for
-  :func:`scalestate.nn.convert` to turn into FP8.
+  :func:`scalestate.nn.convert` to turn into FP8; :class:`MoE` and
+  :class:`Experts`, its mixture-of-experts MLP (``scalestate demo --moe``).
 
 Example:
     Checkpointing changes nothing, bit for bit (invariant 1):
@@ -43,7 +44,7 @@ Example:
 from __future__ import annotations
 
 from scalestate.testing.compare import assert_same, differences, snapshot, sqnr
-from scalestate.testing.model import Block, TinyLM
+from scalestate.testing.model import Block, Experts, MoE, TinyLM
 from scalestate.testing.registry import registered_backend
 from scalestate.testing.spies import CastSpy, OpLog, saved_for_backward_bytes
 
@@ -60,5 +61,7 @@ __all__ = [
     "registered_backend",
     # a model to run
     "Block",
+    "Experts",
+    "MoE",
     "TinyLM",
 ]

@@ -10,14 +10,73 @@ layer an FP8 transformer has.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from scalestate.errors import ArgumentValueError
+from scalestate.errors import ArgumentValueError, ConversionTypeError
+from scalestate.nn.registry import ConversionRequest, register_conversion, registered_conversions
 
-__all__ = ["Block", "TinyLM"]
+__all__ = ["Block", "Experts", "MoE", "TinyLM"]
+
+
+class Experts(nn.Module):
+    """``num_experts`` linear layers in one ``[E, out, in]`` weight, in high precision, without bias.
+
+    ``forward(x, group_sizes)``: the tokens ordered by expert, each expert's
+    product on its own. :func:`scalestate.nn.convert` turns it into an
+    :class:`scalestate.nn.GroupedLinear` on the same weight (importing this
+    module registers the conversion), each expert a slot ``"<path>.<e>"``.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        with torch.no_grad():
+            for e in range(num_experts):  # each expert as torch.nn.Linear initializes its weight
+                nn.init.kaiming_uniform_(self.weight[e], a=math.sqrt(5))
+
+    def forward(self, x: Tensor, group_sizes: Tensor | list[int]) -> Tensor:
+        sizes = group_sizes.tolist() if isinstance(group_sizes, Tensor) else list(group_sizes)
+        parts = x.split(sizes)  # type: ignore[no-untyped-call]  # torch leaves Tensor.split untyped
+        return torch.cat([F.linear(p, w) for p, w in zip(parts, self.weight, strict=True)])
+
+
+class MoE(nn.Module):
+    """A top-k mixture of GELU MLP experts: ``sum_k w_k * down_e(gelu(up_e(x)))``.
+
+    The router is a bare ``[E, d_model]`` weight (softmax over the experts,
+    the top ``top_k`` renormalized), so :func:`scalestate.nn.convert` leaves it
+    in high precision: its output picks experts discretely. ``up`` and ``down``
+    are :class:`Experts`, which convert to FP8 grouped layers.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ArgumentValueError(f"top_k must be in 1 .. num_experts ({num_experts}); got {top_k}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.router = nn.Parameter(torch.empty(num_experts, d_model))
+        nn.init.kaiming_uniform_(self.router, a=math.sqrt(5))
+        self.up = Experts(num_experts, d_model, d_ff)
+        self.down = Experts(num_experts, d_ff, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        from scalestate.nn.grouped_cast import sort_by_expert
+
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.linear(x, self.router).softmax(dim=-1)
+        weights, index = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        order, tokens, sizes = sort_by_expert(index, self.num_experts)
+        counts = sizes.tolist()  # one host read, shared by both layers
+        y = self.down(F.gelu(self.up(x[tokens], counts)), counts) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype)).reshape(shape)
 
 
 class Block(nn.Module):
@@ -25,7 +84,8 @@ class Block(nn.Module):
 
     Four ``torch.nn.Linear`` layers (``qkv``, ``proj``, ``fc1``, ``fc2``) between
     layer norms, attention and residuals; it maps ``[batch, seq, d_model]`` to
-    the same shape.
+    the same shape. With ``moe=(num_experts, top_k)`` the MLP is a :class:`MoE`
+    (``self.moe``, experts as wide as the MLP) instead of ``fc1`` and ``fc2``.
 
     Example:
         >>> import torch, scalestate as ss
@@ -36,15 +96,25 @@ class Block(nn.Module):
         (torch.Size([2, 8, 32]), 4)
     """
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, moe: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.ln1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.ln2 = nn.LayerNorm(d_model)
-        self.fc1 = nn.Linear(d_model, 4 * d_model)
-        self.fc2 = nn.Linear(4 * d_model, d_model)
+        if moe is None:
+            self.fc1 = nn.Linear(d_model, 4 * d_model)
+            self.fc2 = nn.Linear(4 * d_model, d_model)
+        else:
+            self.moe = MoE(d_model, 4 * d_model, *moe)
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        if hasattr(self, "moe"):
+            out: Tensor = self.moe(x)
+            return out
+        result: Tensor = self.fc2(F.gelu(self.fc1(x)))
+        return result
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
@@ -52,8 +122,7 @@ class Block(nn.Module):
         q, k, v = (z.reshape(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        out: Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-        return out
+        return x + self._mlp(self.ln2(x))
 
 
 class TinyLM(nn.Module):
@@ -68,6 +137,7 @@ class TinyLM(nn.Module):
         checkpoint: recompute each block in backward
             (``torch.utils.checkpoint``, non-reentrant) instead of keeping
             its activations.
+        moe: ``(num_experts, top_k)``: every block's MLP is a :class:`MoE`.
 
     Example:
         >>> import torch, scalestate as ss
@@ -93,6 +163,7 @@ class TinyLM(nn.Module):
         n_heads: int = 4,
         seq_len: int = 64,
         checkpoint: bool = False,
+        moe: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         if d_model % n_heads:
@@ -100,7 +171,7 @@ class TinyLM(nn.Module):
         self.checkpoint = checkpoint
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, moe) for _ in range(n_layers))
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
 
@@ -123,3 +194,22 @@ class TinyLM(nn.Module):
         """
         logits = (self if forward is None else forward)(batch[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def _convert_experts(module: nn.Module, request: ConversionRequest) -> nn.Module:
+    """:class:`Experts` to an FP8 :class:`scalestate.nn.GroupedLinear` holding the same weight."""
+    from scalestate.nn.grouped import GroupedLinear
+
+    if not isinstance(module, Experts):
+        raise ConversionTypeError(f"the Experts conversion got a {type(module).__name__}")
+    new = GroupedLinear(
+        module.num_experts, module.in_features, module.out_features, manager=request.manager, name=request.name,
+        device="meta",
+    )
+    new.weight = module.weight
+    new.train(module.training)
+    return new
+
+
+if Experts not in registered_conversions():
+    register_conversion(Experts, _convert_experts)
