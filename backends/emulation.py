@@ -20,7 +20,7 @@ from scalestate.backends.base import CastRequest, GroupedCastRequest, StepUpdate
 from scalestate.errors import CastError
 from scalestate.finegrained import quantize as fine_quantize
 from scalestate.granularity import GranularityKind
-from scalestate.math import scale_from_amax, update_scales
+from scalestate.math import ints_on, scale_from_amax, update_scales
 from scalestate.nvfp4 import quantize_nvfp4, tensor_scale
 from scalestate.quantized import Orientation, Quantized
 from scalestate.recipe import Recipe
@@ -81,7 +81,7 @@ class EmulationBackend:
             )
         xf = x if x.dtype == torch.float32 else x.float()
         n = len(sizes)
-        counts = torch.tensor(sizes, device=x.device)
+        counts = ints_on(sizes, x.device)
         group_of_row = torch.repeat_interleave(torch.arange(n, device=x.device), counts)
         row_amax = xf.abs().amax(dim=1)
         amax = row_amax.new_zeros(n).scatter_reduce_(0, group_of_row, row_amax, "amax")

@@ -21,6 +21,7 @@ The rules (per slot, per step):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import attrs
@@ -35,6 +36,7 @@ __all__ = [
     "is_usable_amax",
     "nonfinite_mask",
     "pow2_floor",
+    "ints_on",
     "roll_history",
     "scale_from_amax",
     "update_scales",
@@ -95,6 +97,16 @@ def roll_history(history: Tensor, amax: Tensor, *, out: Tensor | None = None) ->
     if out is None:
         return torch.where(keep, rolled, history)
     return torch.where(keep, rolled, history, out=out)
+
+
+def ints_on(values: Sequence[int], device: torch.device) -> Tensor:
+    """``values`` as an int64 tensor on ``device``, without a device synchronization: on an
+    accelerator the host copy is pinned and copied asynchronously (a plain copy from pageable
+    memory waits for the stream)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def amax_from_history(history: Tensor, amax_compute: Literal["max", "most_recent"]) -> Tensor:

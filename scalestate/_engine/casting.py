@@ -40,7 +40,7 @@ from scalestate._engine.counting import cast_counts
 from scalestate._engine.state import Slot, State
 from scalestate.backends import CastRequest, GroupedCastRequest, SupportsGroupedCast
 from scalestate.errors import ArgumentTypeError, ArgumentValueError, CastError, PhaseError
-from scalestate.math import scale_from_amax
+from scalestate.math import ints_on, scale_from_amax
 from scalestate.phase import CastKind, classify, in_training_function_forward, read_signals
 from scalestate.quantized import Quantized
 from scalestate.recipe import Direction, Role
@@ -99,6 +99,8 @@ class Caster:
         self._delayed = delayed
         #: collect_stats, fixed for the manager's life (read once: the cast path pays a flag test only).
         self._stats = state.stats
+        #: The state rows of each group of slots cast together, on the device, by (device, rows).
+        self._rows: dict[tuple[object, ...], Tensor] = {}
         #: Per weight row: (epoch, elements, counts) of its cached cast (collect_stats only).
         self._weight_counts: dict[int, tuple[int, int | Tensor, Tensor]] = {}
 
@@ -152,12 +154,18 @@ class Caster:
             if not isinstance(backend, SupportsGroupedCast):
                 return [self.cast(slot, part, transpose) for slot, part in zip(slots, parts, strict=True)]
             kind = self._kind(slots[0], False, False)  # one phase, one role: the same for every slot
-            rows = torch.tensor([slot.row for slot in slots], device=st.device)
+            key = (st.device, *(slot.row for slot in slots))
+            rows = self._rows.get(key)
+            if rows is None:  # one layer's slots: the same rows at every call (slots never move)
+                rows = self._rows[key] = ints_on([slot.row for slot in slots], st.device)
             jits = [st.jit(slot, delayed=self._delayed, compiling=False) for slot in slots]
             if all(j is True for j in jits) or all(j is False for j in jits):
                 jit: bool | Tensor = jits[0]
             else:
-                jit = torch.stack([torch.as_tensor(j, device=st.device) for j in jits])
+                # a fill, not a copy from the host, for the slots decided on the host
+                jit = torch.stack([
+                    torch.full((), j, dtype=torch.bool, device=st.device) if isinstance(j, bool) else j for j in jits
+                ])
             record = st.step_amax.index_select(0, rows) if kind is CastKind.RECORD else None
             request = GroupedCastRequest(
                 x.detach(), spec, tuple(sizes), st.scales.index_select(0, rows), jit, record, transpose

@@ -27,32 +27,33 @@ from scalestate.recipe import Role
 __all__ = ["GroupedFP8LinearFunction", "check_group_sizes", "quantize_grouped", "sort_by_expert"]
 
 
-def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, list[int]]:
     """Token assignments ordered by expert: ``(order, tokens, group_sizes)``.
 
     ``top_k_index`` is ``[T, k]``: the experts each token is routed to.
     ``order`` indexes the flattened ``[T * k]`` assignments so that they run
     expert by expert (tokens in ascending order within each expert),
-    ``tokens`` is the token of each, and ``group_sizes`` the ``[E]`` counts:
-    ``x[tokens]`` is what a grouped layer takes with ``group_sizes``, and
-    ``weights.reshape(-1)[order]`` the routing weight of each of its rows.
-    Indices outside ``0 .. E - 1`` (transformers' marker of an expert held by
-    another rank) are dropped.
+    ``tokens`` is the token of each, and ``group_sizes`` the ``E`` counts as
+    Python ints: ``x[tokens]`` is what a grouped layer takes with
+    ``group_sizes``, and ``weights.reshape(-1)[order]`` the routing weight of
+    each of its rows. Reading the counts is the one host synchronization of a
+    MoE layer; pass the list to every grouped layer of it. Indices outside
+    ``0 .. E - 1`` (transformers' marker of an expert held by another rank)
+    are dropped.
 
     Example:
         >>> import torch, scalestate as ss
         >>> order, tokens, sizes = ss.nn.sort_by_expert(torch.tensor([[2, 0], [1, 2]]), 3)
-        >>> tokens.tolist(), sizes.tolist()
+        >>> tokens.tolist(), sizes
         ([0, 1, 0, 1], [1, 1, 2])
     """
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
-    valid = (flat >= 0) & (flat < num_experts)
-    keyed = torch.where(valid, flat, num_experts)  # the dropped ones sort last
+    keyed = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # the dropped ones sort last
     order = torch.argsort(keyed, stable=True)
-    sizes = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts]
-    order = order[: int(valid.sum())]
-    return order, torch.div(order, k, rounding_mode="floor"), sizes
+    counts: list[int] = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts].tolist()
+    order = order[: sum(counts)]
+    return order, torch.div(order, k, rounding_mode="floor"), counts
 
 
 def check_group_sizes(group_sizes: Tensor | Sequence[int], n_experts: int, n_tokens: int, where: str) -> list[int]:
