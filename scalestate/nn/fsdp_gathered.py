@@ -73,7 +73,7 @@ class ShardSource:
         """The amax of the whole weight: this shard's, all-reduced (MAX) over the shard group, NaN kept."""
         if self._whole is None:
             t = self.tensor.float()
-            local = torch.linalg.vector_norm(t, float("inf")) if t.numel() else t.new_zeros(())
+            local = t.abs().amax() if t.numel() else t.new_zeros(())
             packed = nan_as_flags(local.reshape(1))
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self._group)
             self._whole = nan_from_flags(packed, 1).reshape(())

@@ -319,10 +319,8 @@ def _global_amax(x: Tensor, mesh: DeviceMesh, dims: Sequence[int]) -> Tensor:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     with torch.no_grad():
-        if x.numel():
-            local = torch.linalg.vector_norm(x.detach(), float("inf")).float()
-        else:
-            local = torch.zeros((), dtype=torch.float32, device=x.device)
+        empty = torch.zeros((), dtype=torch.float32, device=x.device)
+        local = x.detach().abs().amax().float() if x.numel() else empty
         packed = nan_as_flags(local.reshape(1))
         placements = [Partial("max") if i in dims else Replicate() for i in range(mesh.ndim)]
         reduced = DTensor.from_local(packed, mesh, placements, run_check=False).full_tensor()
