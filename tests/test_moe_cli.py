@@ -70,3 +70,17 @@ def test_tiny_lm_moe_converts_experts_not_router() -> None:
     assert isinstance(block.moe, MoE) and block.moe.router is not None
     assert isinstance(block.moe.up, ss.nn.GroupedLinear) and model.blocks[0].moe.router is router
     assert "blocks.1.moe.down.3" in manager.handles and not any("router" in n for n in manager.handles)
+
+
+def test_default_names_skip_taken_ones_in_order() -> None:
+    """Default slot names: "linear", "linear_1", ... in order, skipping names taken meanwhile, per manager
+    (the search resumes where it stopped, so a name is found in constant time: benchmarks/naming.py)."""
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    other = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    names = [ss.nn.Linear(2, 2, manager=manager, device="meta").handle.name for _ in range(3)]
+    manager.register("linear_3")
+    manager.register("linear_5")
+    names += [ss.nn.Linear(2, 2, manager=manager, device="meta").handle.name for _ in range(2)]
+    assert names == ["linear", "linear_1", "linear_2", "linear_4", "linear_6"]
+    assert ss.nn.Linear(2, 2, manager=other, device="meta").handle.name == "linear"
+    assert ss.nn.GroupedLinear(2, 2, 2, manager=manager).name == "grouped_linear"

@@ -11,6 +11,7 @@ constructors and the converters.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -91,12 +92,22 @@ def quantize_weight(handle: ScalingHandle, weight: Tensor, *, transpose: bool = 
     return handle.quantize(weight, Role.WEIGHT, transpose=transpose)
 
 
+#: Per manager and base name, the suffix below which every ``base_<i>`` is taken (names are never
+#: unregistered, so the search for a free one starts there): constant time per default name.
+_NEXT_SUFFIX: weakref.WeakKeyDictionary[ScalingStateManager, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
 def free_name(manager: ScalingStateManager, base: str) -> str:
-    """``base``, or ``base_1``, ``base_2``, ... : the first name not yet registered with ``manager``."""
+    """``base``, or ``base_1``, ``base_2``, ... : the first name not yet registered with ``manager``.
+
+    Amortized constant time: the search resumes where the last one for ``base`` stopped.
+    """
     taken = manager.handles
     if base not in taken:
         return base
-    i = 1
+    hints = _NEXT_SUFFIX.setdefault(manager, {})
+    i = hints.get(base, 1)
     while f"{base}_{i}" in taken:
         i += 1
+    hints[base] = i
     return f"{base}_{i}"
