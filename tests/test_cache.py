@@ -187,3 +187,27 @@ class TestWeightCastCache:
             h.quantize(w, W)
             h.quantize(w, W)
         assert spy.casts_of(w) == 2
+
+    def test_step_voids_casts_by_epoch_without_sweeping(self, delayed):
+        """step() leaves the cached casts where they are (void by their epoch: its cost does not grow with
+        them); a stale cast is never served, and the weight's next cast releases it."""
+        import gc
+        import weakref
+
+        manager = delayed
+        layer = ss.nn.Linear(16, 8, manager=manager, name="fc")
+        spy = _watch(manager)
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        first = weakref.ref(spy.results[-1].data)  # the weight's cast (the input's came before it)
+        assert spy.requests[-1].x.data_ptr() == layer.weight.data_ptr()
+        spy.results.clear()
+        manager.step()
+        gc.collect()
+        assert first() is not None  # kept by the cache, void by its epoch
+        with manager.forward():
+            layer(torch.randn(2, 16))
+        assert spy.casts_of(layer.weight) == 2  # not served after the step: cast again
+        spy.results.clear()
+        gc.collect()
+        assert first() is None  # the new cast replaced it

@@ -57,6 +57,10 @@ class WeightCastCache:
     at the same address. ``manager.invalidate_casts()`` and
     ``handle.invalidate_casts()`` cover them (``ss.nn.Linear`` calls the
     latter whenever FSDP2 swaps its weight).
+
+    A new scale epoch voids every entry by its epoch, without a sweep (a step
+    costs the same however many weights are cached); a stale entry is
+    released when its weight is cast again, or by ``invalidate_casts()``.
     """
 
     def __init__(self) -> None:
