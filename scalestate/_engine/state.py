@@ -412,12 +412,8 @@ class State:
         self._watch.reset()
 
     def _new_epoch(self) -> None:
-        """Scales may have changed: weight casts and debug mode's pending amaxes are void.
-
-        The cached casts are void by their epoch, not swept: a step costs the same
-        whatever the number of cached weights, and each stale cast is released
-        when its weight is cast again (or by ``invalidate_casts()``).
-        """
+        """Scales may have changed: weight casts (void by their epoch, not swept: see
+        WeightCastCache) and debug mode's pending amaxes are void."""
         self._epoch += 1
         self._may_have_history = True
         if self._checker is not None:
