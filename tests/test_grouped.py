@@ -353,3 +353,20 @@ def test_compiled_fullgraph_is_bitwise_eager(changing: bool) -> None:
     sizes = [[8, 0, 16, 8], [4, 12, 0, 16], [16, 0, 8, 8]] if changing else [[8, 0, 16, 8]] * 3
     torch._dynamo.reset()
     assert_same(_compiled_run(True, sizes), _compiled_run(False, sizes), name="compiled vs eager")
+
+
+def test_saved_and_copied_layers_train_like_the_original(tmp_path) -> None:
+    """torch.save of the whole layer and copy.deepcopy work (the per-expert views start empty in a copy)."""
+    import copy
+
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    layer = ss.nn.GroupedLinear(E, IN, OUT, manager=manager, name="moe")
+    x = torch.randn(8, IN)
+    with manager.forward():
+        want = layer(x, [4, 0, 4, 0])
+    torch.save(layer, tmp_path / "layer.pt")
+    loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
+    for other in (loaded, copy.deepcopy(layer)):
+        with other.handles[0].manager.forward():
+            got = other(x, [4, 0, 4, 0])
+        assert torch.equal(got, want)

@@ -55,6 +55,10 @@ class ExpertViews:
         self._data_ptr = -1
         self._views: tuple[Tensor, ...] = ()
 
+    def __reduce__(self) -> tuple[type[ExpertViews], tuple[()]]:
+        """A copy (``torch.save``, ``copy.deepcopy``) starts empty: the views are derived from the weight."""
+        return ExpertViews, ()
+
     def of(self, weight: Tensor) -> tuple[Tensor, ...]:
         """``weight.detach().unbind(0)``, the same objects while ``weight`` is the same tensor at the same address."""
         if self._source is None or self._source() is not weight or self._data_ptr != weight.data_ptr():
