@@ -65,9 +65,7 @@ class EmulationBackend:
         data = (xf * scale).clamp_(-spec.fp8_max, spec.fp8_max).to(spec.dtype)
         if request.record is not None:
             torch.maximum(request.record, amax, out=request.record)
-        rows = Orientation(data, scale, torch.reciprocal(scale))
-        other = Orientation(data.t().contiguous(), rows.scale, rows.scale_inv) if request.transpose else None
-        return Quantized.of(rows, other)
+        return _per_tensor(data, scale, torch.reciprocal(scale), request.transpose)
 
     def cast_grouped(self, request: GroupedCastRequest) -> tuple[Quantized, ...]:
         """Every group's per-tensor cast at once: row amaxes, one max per group, the groups' scales
@@ -88,23 +86,14 @@ class EmulationBackend:
         # A scattered max need not keep NaN on every device (atomics): count each group's NaN rows.
         nan_rows = row_amax.new_zeros(n).index_add_(0, group_of_row, torch.isnan(row_amax).float())
         amax = torch.where(nan_rows > 0, float("nan"), amax)
-        scale = request.scale
-        if request.jit is False:
-            scale = scale.clone()
-        else:
-            own = scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale)
-            scale = own if request.jit is True else torch.where(request.jit, own, request.scale)
+        scale = _chosen(request, lambda: scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale))
         data = (xf * scale.index_select(0, group_of_row).unsqueeze(1)).clamp_(-spec.fp8_max, spec.fp8_max)
         data = data.to(spec.dtype)
         if request.record is not None:
             torch.maximum(request.record, amax, out=request.record)
         scale_inv = torch.reciprocal(scale)
-        out = []
-        for g, part in enumerate(data.split(sizes)):  # type: ignore[no-untyped-call]  # torch leaves split untyped
-            rows = Orientation(part, scale[g], scale_inv[g])
-            other = Orientation(part.t().contiguous(), rows.scale, rows.scale_inv) if request.transpose else None
-            out.append(Quantized.of(rows, other))
-        return tuple(out)
+        parts = data.split(sizes)  # type: ignore[no-untyped-call]  # torch leaves split untyped
+        return tuple(_per_tensor(part, scale[g], scale_inv[g], request.transpose) for g, part in enumerate(parts))
 
     def _cast_fine(self, request: CastRequest) -> Quantized:
         """A fine-grained cast: :func:`scalestate.finegrained.quantize`, then record its amax."""
@@ -198,9 +187,18 @@ class EmulationBackend:
         update.step_amax.zero_()
 
 
-def _chosen(request: CastRequest, own: Callable[[], Tensor]) -> Tensor:
-    """The per-tensor scale of a cast: a copy of the slot's (``jit`` False; the Quantized owns its
-    scale, the slot's may change), the tensor's ``own()`` (True), or either per a device flag."""
+def _per_tensor(data: Tensor, scale: Tensor, scale_inv: Tensor, transpose: bool) -> Quantized:
+    """A per-tensor cast's result: ``data`` with its scales, and with ``transpose`` the contiguous
+    ``data.t()`` sharing them."""
+    rows = Orientation(data, scale, scale_inv)
+    other = Orientation(data.t().contiguous(), scale, scale_inv) if transpose else None
+    return Quantized.of(rows, other)
+
+
+def _chosen(request: CastRequest | GroupedCastRequest, own: Callable[[], Tensor]) -> Tensor:
+    """The per-tensor scale of a cast (of each group's, for a grouped one): a copy of the slot's (``jit``
+    False; the Quantized owns its scale, the slot's may change), the tensor's ``own()`` (True), or either
+    per a device flag."""
     if request.jit is False:
         return request.scale.clone()
     scale = own()

@@ -138,7 +138,6 @@ class Caster:
         other than WEIGHT, eager, no debug mode or statistics); otherwise one
         :meth:`cast` per group. The same bits and records either way.
         """
-        parts = x.split(list(sizes))  # type: ignore[no-untyped-call]  # torch leaves Tensor.split untyped
         st = self._state
         spec = slots[0].spec
         if (
@@ -146,13 +145,13 @@ class Caster:
             or spec.granularity is not None or slots[0].role is Role.WEIGHT or x.dim() != 2
             or not x.is_floating_point() or any(slot.spec != spec for slot in slots)
         ):
-            return [self.cast(slot, part, transpose) for slot, part in zip(slots, parts, strict=True)]
+            return self._cast_each(slots, x, sizes, transpose)
         with hidden_from_sac():  # as every eager cast (see cast)
             if not self._binding.ready or x.device != st.device:
                 self._binding.settle(x.device)
             backend = self._binding.backend
             if not isinstance(backend, SupportsGroupedCast):
-                return [self.cast(slot, part, transpose) for slot, part in zip(slots, parts, strict=True)]
+                return self._cast_each(slots, x, sizes, transpose)
             kind = self._kind(slots[0], False, False)  # one phase, one role: the same for every slot
             key = (st.device, *(slot.row for slot in slots))
             rows = self._rows.get(key)
@@ -176,6 +175,11 @@ class Caster:
                 for slot in slots:
                     st.note_recorded(slot)
             return out
+
+    def _cast_each(self, slots: Sequence[Slot], x: Tensor, sizes: Sequence[int], transpose: bool) -> list[Quantized]:
+        """The grouped cast as one :meth:`cast` per group."""
+        parts = x.split(list(sizes))  # type: ignore[no-untyped-call]  # torch leaves Tensor.split untyped
+        return [self.cast(slot, part, transpose) for slot, part in zip(slots, parts, strict=True)]
 
     def _cast(
         self, slot: Slot, x: Tensor, transpose: bool, shard: ShardCast | None, ahead: bool, *, compiling: bool
