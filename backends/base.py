@@ -40,7 +40,10 @@ __all__ = [
     "CastRequest",
     "CastSpec",
     "GroupedCastRequest",
+    "GroupedOperand",
+    "GroupedRows",
     "StepUpdate",
+    "SupportsDeviceGroups",
     "SupportsGroupedCast",
     "SupportsRecipe",
     "cast_spec",
@@ -162,8 +165,9 @@ class GroupedCastRequest(NamedTuple):
     x: Tensor
     #: Target dtype and just-in-time rule, shared by every group (``spec.granularity`` is ``None``).
     spec: CastSpec
-    #: Rows per group, each ``>= 1``, summing to ``T``.
-    sizes: tuple[int, ...]
+    #: Rows per group, each ``>= 1``, summing to ``T``; for
+    #: :meth:`SupportsDeviceGroups.cast_grouped_rows`, a ``[G]`` integer tensor on ``x``'s device.
+    sizes: tuple[int, ...] | Tensor
     #: ``[G]`` float32: each group's slot scale (a copy; read it).
     scale: Tensor
     #: As :attr:`CastRequest.jit`, for every group (a bool), or per group (a ``[G]`` bool tensor).
@@ -185,6 +189,66 @@ class SupportsGroupedCast(Protocol):
 
     def cast_grouped(self, request: GroupedCastRequest) -> tuple[Quantized, ...]:
         """Cast every group of ``request.x``'s rows (see :class:`GroupedCastRequest`)."""
+        ...
+
+
+class GroupedRows(NamedTuple):
+    """All groups of a grouped cast in one tensor: what :meth:`SupportsDeviceGroups.cast_grouped_rows` returns.
+
+    Group ``g``'s rows of ``data`` are bitwise its cast by :class:`GroupedCastRequest`'s
+    rules, and its scale is ``scale[g]``; the group sizes never leave the device.
+    """
+
+    #: ``(T, K)`` FP8: every row, cast with its group's scale.
+    data: Tensor
+    #: ``[G]`` float32 scales (one per group, also for an empty group, whose value is then unused).
+    scale: Tensor
+    #: ``[G]`` float32, ``1 / scale``.
+    scale_inv: Tensor
+    #: ``[T]`` int64: the group of each row.
+    group_of_row: Tensor
+
+
+class GroupedOperand(NamedTuple):
+    """One operand of :meth:`SupportsDeviceGroups.grouped_scaled_mm`: FP8 data and its inverse scales.
+
+    ``scale_inv`` broadcasts over ``data``: ``(T, 1)`` for rows each scaled by
+    their group's scale, ``(1, T)`` for such rows transposed, ``(G, 1, 1)``
+    for one scale per group of a 3-d operand.
+    """
+
+    data: Tensor
+    scale_inv: Tensor
+
+
+@runtime_checkable
+class SupportsDeviceGroups(Protocol):
+    """An optional member of a backend: grouped casts and products whose group sizes stay on the device.
+
+    Compiled code cannot read group sizes on the host without a guard on
+    every value (a recompilation for every new routing pattern); with these
+    members a grouped layer runs the same operations whatever its sizes. A
+    backend without them, or whose :meth:`grouped_products` is false on the
+    device, gets grouped layers that compile once per pattern of sizes.
+    """
+
+    def cast_grouped_rows(self, request: GroupedCastRequest) -> GroupedRows:
+        """:class:`GroupedCastRequest`'s casts with ``request.sizes`` a ``[G]`` integer tensor on the
+        device (zeros allowed: an empty group records ``maximum(record[g], 0)``), in one tensor."""
+        ...
+
+    def grouped_products(self, device: torch.device) -> bool:
+        """Whether :meth:`grouped_scaled_mm` gives, on ``device``, the bits of this backend's own
+        :meth:`Backend.scaled_mm` of each group."""
+        ...
+
+    def grouped_scaled_mm(
+        self, a: GroupedOperand, b: GroupedOperand, offsets: Tensor, *, out_dtype: torch.dtype
+    ) -> Tensor:
+        """The product of each group, as ``torch.nn.functional.grouped_mm`` groups them by ``offsets``
+        (``[G]`` int32 ends): a 2-d ``a`` ``(T, K)`` by a 3-d ``b`` ``(G, K, N)`` gives ``(T, N)``, rows
+        by group; a 2-d ``a`` ``(M, T)`` by a 2-d ``b`` ``(T, N)`` gives ``(G, M, N)``, ``T`` by group
+        (zeros for an empty group). Each group's product has the bits of :meth:`Backend.scaled_mm`."""
         ...
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from scalestate.backends.base import CastRequest, GroupedCastRequest, StepUpdate
+from scalestate.backends.base import CastRequest, GroupedCastRequest, GroupedOperand, GroupedRows, StepUpdate
 from scalestate.errors import CastError
 from scalestate.finegrained import quantize as fine_quantize
 from scalestate.granularity import GranularityKind
@@ -68,19 +68,30 @@ class EmulationBackend:
         return _per_tensor(data, scale, torch.reciprocal(scale), request.transpose)
 
     def cast_grouped(self, request: GroupedCastRequest) -> tuple[Quantized, ...]:
-        """Every group's per-tensor cast at once: row amaxes, one max per group, the groups' scales
-        spread over their rows, one saturating round. The same bits as one :meth:`cast` per group
+        """Every group's per-tensor cast at once (:meth:`cast_grouped_rows`), split into one
+        :class:`~scalestate.Quantized` per group. The same bits as one :meth:`cast` per group
         (the products and roundings are per element; a max is exact in any order)."""
+        rows = self.cast_grouped_rows(request._replace(transpose=False))
+        parts = rows.data.split(list(request.sizes))  # type: ignore[no-untyped-call]  # torch leaves split untyped
+        return tuple(
+            _per_tensor(part, rows.scale[g], rows.scale_inv[g], request.transpose) for g, part in enumerate(parts)
+        )
+
+    def cast_grouped_rows(self, request: GroupedCastRequest) -> GroupedRows:
+        """Every group's per-tensor cast in a fixed number of operations, whatever the sizes: row
+        amaxes, one max per group, the groups' scales spread over their rows, one saturating round.
+        ``request.sizes`` may be host ints or a device tensor (nothing is read on the host)."""
         x, spec, sizes = request.x, request.spec, request.sizes
-        if spec.granularity is not None or x.dim() != 2:
+        if spec.granularity is not None or x.dim() != 2 or request.transpose:
             raise CastError(
-                f"grouped casts take per-tensor specs and 2-d tensors; got granularity {spec.granularity} "
-                f"and shape {tuple(x.shape)} (cast each group with cast() instead)"
+                f"grouped casts take per-tensor specs and 2-d tensors, one orientation; got granularity "
+                f"{spec.granularity}, shape {tuple(x.shape)}, transpose={request.transpose} "
+                "(cast each group with cast() instead)"
             )
         xf = x if x.dtype == torch.float32 else x.float()
-        n = len(sizes)
-        counts = ints_on(sizes, x.device)
-        group_of_row = torch.repeat_interleave(torch.arange(n, device=x.device), counts)
+        counts = sizes if isinstance(sizes, Tensor) else ints_on(sizes, x.device)
+        n = counts.shape[0]
+        group_of_row = torch.repeat_interleave(torch.arange(n, device=x.device), counts, output_size=x.shape[0])
         row_amax = xf.abs().amax(dim=1)
         amax = row_amax.new_zeros(n).scatter_reduce_(0, group_of_row, row_amax, "amax")
         # A scattered max need not keep NaN on every device (atomics): count each group's NaN rows.
@@ -88,12 +99,20 @@ class EmulationBackend:
         amax = torch.where(nan_rows > 0, float("nan"), amax)
         scale = _chosen(request, lambda: scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale))
         data = (xf * scale.index_select(0, group_of_row).unsqueeze(1)).clamp_(-spec.fp8_max, spec.fp8_max)
-        data = data.to(spec.dtype)
         if request.record is not None:
             torch.maximum(request.record, amax, out=request.record)
-        scale_inv = torch.reciprocal(scale)
-        parts = data.split(sizes)  # type: ignore[no-untyped-call]  # torch leaves split untyped
-        return tuple(_per_tensor(part, scale[g], scale_inv[g], request.transpose) for g, part in enumerate(parts))
+        return GroupedRows(data.to(spec.dtype), scale, torch.reciprocal(scale), group_of_row)
+
+    def grouped_products(self, device: torch.device) -> bool:
+        """True: :meth:`grouped_scaled_mm` multiplies each group as :meth:`scaled_mm` would, on any device."""
+        return True
+
+    def grouped_scaled_mm(
+        self, a: GroupedOperand, b: GroupedOperand, offsets: Tensor, *, out_dtype: torch.dtype
+    ) -> Tensor:
+        """Dequantize both operands, multiply each group in float32 (``scalestate::grouped_mm``), cast."""
+        out: Tensor = torch.ops.scalestate.grouped_mm(_dequantized(a), _dequantized(b), offsets)
+        return out if out_dtype == torch.float32 else out.to(out_dtype)
 
     def _cast_fine(self, request: CastRequest) -> Quantized:
         """A fine-grained cast: :func:`scalestate.finegrained.quantize`, then record its amax."""
@@ -195,6 +214,15 @@ def _per_tensor(data: Tensor, scale: Tensor, scale_inv: Tensor, transpose: bool)
     return Quantized.of(rows, other)
 
 
+def _dequantized(operand: GroupedOperand) -> Tensor:
+    """``data * scale_inv`` in float32, in the data's memory order (a transposed operand stays a transposed
+    view, as :meth:`EmulationBackend.dequantize` keeps it, so that each group's product sees its layout)."""
+    data, scale_inv = operand
+    if data.dim() >= 2 and not data.is_contiguous() and data.mT.is_contiguous():
+        return (data.mT.to(torch.float32) * scale_inv.mT).mT
+    return data.to(torch.float32) * scale_inv
+
+
 def _chosen(request: CastRequest | GroupedCastRequest, own: Callable[[], Tensor]) -> Tensor:
     """The per-tensor scale of a cast (of each group's, for a grouped one): a copy of the slot's (``jit``
     False; the Quantized owns its scale, the slot's may change), the tensor's ``own()`` (True), or either
@@ -203,3 +231,28 @@ def _chosen(request: CastRequest | GroupedCastRequest, own: Callable[[], Tensor]
         return request.scale.clone()
     scale = own()
     return scale if request.jit is True else torch.where(request.jit, scale, request.scale)
+
+
+@torch.library.custom_op("scalestate::grouped_mm", mutates_args=())
+def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+    """Each group's ``torch.mm``, grouped as ``torch.nn.functional.grouped_mm`` groups (see
+    :meth:`SupportsDeviceGroups.grouped_scaled_mm <scalestate.backends.SupportsDeviceGroups.grouped_scaled_mm>`),
+    on any dtype and device, with the bits of ``torch.mm`` on each group's slices. An operator of its own, so
+    that compiled code keeps the sizes on the device (torch's own refuses float32 while tracing); its
+    ``ends`` are read on the host when it runs."""
+    ends: list[int] = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:  # rows of a by group, each times b[g]
+        parts = [torch.mm(a[s:e], b[g]) for g, (s, e) in enumerate(zip(starts, ends, strict=True)) if e > s]
+        tail = a.shape[0] - (ends[-1] if ends else 0)
+        if tail:
+            parts.append(a.new_zeros((tail, b.shape[-1])))
+        return torch.cat(parts) if parts else a.new_zeros((a.shape[0], b.shape[-1]))
+    return torch.stack([torch.mm(a[:, s:e], b[s:e]) for s, e in zip(starts, ends, strict=True)])
+
+
+@grouped_mm.register_fake
+def _(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+    if b.dim() == 3:
+        return a.new_empty((a.shape[0], b.shape[-1]))
+    return a.new_empty((offsets.shape[0], a.shape[0], b.shape[1]))

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from scalestate._engine import grouped_rows
 from scalestate._engine.binding import BackendBinding, canonical_device
 from scalestate._engine.casting import Caster, ShardCast
 from scalestate._engine.control import PhaseControl
 from scalestate._engine.loading import validate
 from scalestate._engine.state import Slot, State
-from scalestate.backends import Backend
+from scalestate.backends import Backend, GroupedRows
 from scalestate.backends.base import cast_spec
 from scalestate.diagnostics import ScalingStats, build_stats
 from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
@@ -337,6 +338,14 @@ class ScalingStateManager(PhaseControl):
     ) -> list[Quantized]:
         """Grouped casts (see scalestate.nn.quantize_grouped and `scalestate._engine.casting`)."""
         return self._caster.cast_grouped(slots, x, sizes, transpose)
+
+    def _takes_device_groups(self, slots: Sequence[Slot], device: torch.device) -> bool:
+        """Whether compiled grouped casts can keep their sizes on the device (`scalestate._engine.grouped_rows`)."""
+        return grouped_rows.takes_device_groups(self._caster, slots, device)
+
+    def _cast_grouped_rows(self, slots: Sequence[Slot], x: Tensor, counts: Tensor, active: Tensor) -> GroupedRows:
+        """Compiled grouped casts with the sizes on the device (`scalestate._engine.grouped_rows`)."""
+        return grouped_rows.cast_rows(self._caster, slots, x, counts, active)
 
     def _scale_of(self, slot: Slot) -> Tensor:
         return self._state.scale_of(slot).clone()

@@ -220,3 +220,37 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_compiled_mixtral_is_one_graph_for_every_routing() -> None:
+    """A converted Mixtral under torch.compile(fullgraph=True): its experts keep the group sizes on the
+    device, so three steps of new routings run one compiled graph, with the eager model's losses and
+    scaling state, bitwise."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def run(compiled: bool) -> tuple[list, int]:
+        torch._dynamo.reset()
+        model = tiny("mixtral")
+        manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        ss.nn.convert(model, manager)
+        counter = CompileCounterWithBackend("aot_eager")
+        forward = torch.compile(model, fullgraph=True, backend=counter) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        out: list = []
+        for _ in range(3):
+            ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
+            with manager.forward():
+                loss = forward(input_ids=ids, labels=ids).loss
+            with manager.backward():
+                loss.backward()
+            out.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            manager.step()
+            out.append(manager.state_dict())
+        return out, counter.frame_count
+
+    (got, frames), (want, _) = run(True), run(False)
+    assert frames == 1
+    assert_same(got, want, name="compiled Mixtral vs eager")

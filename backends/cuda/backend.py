@@ -126,6 +126,10 @@ class CudaBackend(EmulationBackend):
         """As ``scaled_mm``'s on CUDA (row-major times column-major); no on CPU (emulated products)."""
         return device.type == "cuda" and self._products.wants_transposed(device)
 
+    def grouped_products(self, device: torch.device) -> bool:
+        """Off CUDA only, where the products are the emulation's (on CUDA they are cuBLASLt's, one per group)."""
+        return device.type != "cuda"
+
     def scaled_mm(
         self, a: Quantized, b: Quantized, *, out_dtype: torch.dtype, bias: Tensor | None = None
     ) -> Tensor:

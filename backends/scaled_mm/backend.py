@@ -125,6 +125,11 @@ class ScaledMMBackend(EmulationBackend):
         laid out inside :meth:`scaled_mm`."""
         return True
 
+    def grouped_products(self, device: torch.device) -> bool:
+        """False: the products are torch's scaled-matmul kernels, one per group (compiled grouped layers
+        on this backend compile once per pattern of group sizes; ``scaled_grouped_mm`` is not used yet)."""
+        return False
+
     def scaled_mm(
         self,
         a: Quantized,

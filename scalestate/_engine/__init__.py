@@ -15,6 +15,9 @@ What each module holds, so that a reader of the manager can find it:
     The cast path: classify each cast (record, recompute, evaluation), pick
     its scale and record target, call the backend inside
     :func:`scalestate.sac.hidden_from_sac`.
+``grouped_rows``
+    Compiled grouped casts with the group sizes on the device: one graph for
+    every routing of a mixture-of-experts layer.
 ``cache``
     The weight-cast cache: one cast per (weight, version, scale epoch).
 ``binding``

@@ -115,7 +115,8 @@ class Experts(torch.nn.Module):
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """``sum_k w_k * down_e(act(gate_e(x)) * up_e(x))`` over each token's experts ``e``."""
-        order, tokens, sizes = sort_by_expert(top_k_index, self.num_experts)
+        # Compiled code keeps the sizes on the device: one graph for every routing (no index is dropped there).
+        order, tokens, sizes = sort_by_expert(top_k_index, self.num_experts, on_device=torch.compiler.is_compiling())
         x = hidden_states[tokens]
         h = grouped_linear(x, self.gate_up_proj, None, sizes, self.gate_up_handles, views=self._views[0])
         gate, up = h.chunk(2, dim=-1)

@@ -33,6 +33,7 @@ from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.nn.base import free_name
 from scalestate.nn.grouped_cast import GroupedFP8LinearFunction, cast_groups, check_group_sizes
+from scalestate.nn.grouped_device import device_grouped_linear
 from scalestate.recipe import Role
 
 __all__ = ["ExpertViews", "GroupedLinear", "grouped_linear", "register_experts"]
@@ -144,10 +145,14 @@ def grouped_linear(
         raise CastError(f"{where}: input must be (tokens, {in_features}); got shape {tuple(x.shape)}")
     if bias is not None and tuple(bias.shape) != (n_experts, out_features):
         raise CastError(f"{where}: bias must be ({n_experts}, {out_features}); got shape {tuple(bias.shape)}")
-    sizes = check_group_sizes(group_sizes, n_experts, x.shape[0], where)
-    used = tuple(e for e, n in enumerate(sizes) if n)
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    if isinstance(group_sizes, Tensor) and torch.compiler.is_compiling():
+        fixed = device_grouped_linear(x, weight, bias, group_sizes, handles, out_dtype, where)
+        if fixed is not None:
+            return fixed
+    sizes = check_group_sizes(group_sizes, n_experts, x.shape[0], where)
+    used = tuple(e for e, n in enumerate(sizes) if n)
     if not used:
         return x.new_zeros((0, out_features), dtype=out_dtype)
     manager = handles[0].manager

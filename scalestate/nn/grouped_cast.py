@@ -12,7 +12,7 @@ top-k routing assignments by expert, as grouped layers take them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -27,7 +27,27 @@ from scalestate.recipe import Role
 __all__ = ["GroupedFP8LinearFunction", "check_group_sizes", "quantize_grouped", "sort_by_expert"]
 
 
-def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, list[int]]:
+@overload
+def sort_by_expert(
+    top_k_index: Tensor, num_experts: int, *, on_device: Literal[False] = False
+) -> tuple[Tensor, Tensor, list[int]]: ...
+
+
+@overload
+def sort_by_expert(
+    top_k_index: Tensor, num_experts: int, *, on_device: Literal[True]
+) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+@overload
+def sort_by_expert(
+    top_k_index: Tensor, num_experts: int, *, on_device: bool
+) -> tuple[Tensor, Tensor, list[int] | Tensor]: ...
+
+
+def sort_by_expert(
+    top_k_index: Tensor, num_experts: int, *, on_device: bool = False
+) -> tuple[Tensor, Tensor, list[int] | Tensor]:
     """Token assignments ordered by expert: ``(order, tokens, group_sizes)``.
 
     ``top_k_index`` is ``[T, k]``: the experts each token is routed to.
@@ -41,14 +61,26 @@ def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tenso
     ``0 .. E - 1`` (transformers' marker of an expert held by another rank)
     are dropped.
 
+    ``on_device=True`` reads nothing on the host: ``group_sizes`` is an
+    ``[E]`` int64 tensor, and every index must be in ``0 .. E - 1`` (none is
+    dropped). Compiled code takes it so, to run one graph for every routing
+    (see :mod:`scalestate.nn.grouped_device`).
+
     Example:
         >>> import torch, scalestate as ss
         >>> order, tokens, sizes = ss.nn.sort_by_expert(torch.tensor([[2, 0], [1, 2]]), 3)
         >>> tokens.tolist(), sizes
         ([0, 1, 0, 1], [1, 1, 2])
+        >>> ss.nn.sort_by_expert(torch.tensor([[2, 0], [1, 2]]), 3, on_device=True)[2]
+        tensor([1, 1, 2])
     """
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
+    if on_device:
+        order = torch.argsort(flat, stable=True)
+        sizes = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+        sizes.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+        return order, torch.div(order, k, rounding_mode="floor"), sizes
     keyed = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # the dropped ones sort last
     order = torch.argsort(keyed, stable=True)
     counts: list[int] = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts].tolist()

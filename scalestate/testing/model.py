@@ -73,7 +73,8 @@ class MoE(nn.Module):
         probs = F.linear(x, self.router).softmax(dim=-1)
         weights, index = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        order, tokens, counts = sort_by_expert(index, self.num_experts)  # one host read, for both layers
+        # One host read, for both layers; none in compiled code (one graph for every routing).
+        order, tokens, counts = sort_by_expert(index, self.num_experts, on_device=torch.compiler.is_compiling())
         y = self.down(F.gelu(self.up(x[tokens], counts)), counts) * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype)).reshape(shape)
 

@@ -1,0 +1,68 @@
+"""Grouped casts whose group sizes stay on the device: compiled grouped layers, one graph for every routing.
+
+A grouped layer in compiled code cannot read its group sizes on the host
+without a guard on each (a recompilation for every new pattern of empty
+experts). Where the backend has :class:`~scalestate.backends.SupportsDeviceGroups`
+and its grouped products are its own products' bits on the device, the layer
+casts every group in one request whatever its size: a group with no rows (or,
+for a weight, an expert with no tokens) is cast but records nothing, so the
+state after a step is the eager run's, bitwise. Eager code keeps the host
+path (`scalestate._engine.casting.Caster.cast_grouped`): there an empty
+expert casts nothing at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from scalestate._engine.binding import settle_during_trace
+from scalestate._engine.state import Slot
+from scalestate.backends import GroupedCastRequest, GroupedRows, SupportsDeviceGroups
+from scalestate.phase import CastKind
+
+if TYPE_CHECKING:
+    from scalestate._engine.casting import Caster
+
+__all__ = ["cast_rows", "takes_device_groups"]
+
+
+def takes_device_groups(caster: Caster, slots: Sequence[Slot], device: torch.device) -> bool:
+    """Whether compiled code can cast and multiply ``slots``' groups with the sizes on the device:
+    per-tensor specs shared by all, no statistics, and a backend whose grouped products are its own
+    on ``device`` in the layout it is handed (no transposed copies wanted)."""
+    if not torch.compiler.is_compiling() or caster._stats or not slots:
+        return False
+    spec = slots[0].spec
+    if spec.granularity is not None or any(slot.spec != spec for slot in slots):
+        return False
+    settle_during_trace(caster._binding, device)
+    backend = caster._binding.backend
+    return (
+        isinstance(backend, SupportsDeviceGroups)
+        and backend.grouped_products(device)
+        and not backend.wants_transposed(device)
+    )
+
+
+def cast_rows(caster: Caster, slots: Sequence[Slot], x: Tensor, counts: Tensor, active: Tensor) -> GroupedRows:
+    """Cast ``x``'s row groups (``counts`` rows each, on the device), group ``g`` for ``slots[g]``,
+    in one request; only groups where ``active`` (a ``[G]`` bool tensor) record their amax."""
+    st = caster._state
+    backend = caster._binding.backend
+    assert isinstance(backend, SupportsDeviceGroups)
+    rows = torch.tensor([slot.row for slot in slots], device=st.device)
+    jits = [st.jit(slot, delayed=caster._delayed, compiling=True) for slot in slots]
+    jit: bool | Tensor = jits[0] if all(isinstance(j, bool) for j in jits) else torch.stack(jits)  # type: ignore[arg-type]
+    recording = caster._kind(slots[0], False, True) is CastKind.RECORD  # one phase, one role: every slot's kind
+    record = torch.zeros(len(slots), dtype=torch.float32, device=st.device) if recording else None
+    request = GroupedCastRequest(x.detach(), slots[0].spec, counts, st.scales.index_select(0, rows), jit, record)
+    out = backend.cast_grouped_rows(request)
+    if record is not None:
+        # maximum(accumulator, amax) for the active groups, as each eager cast records (NaN propagates)
+        kept = torch.where(active, record, torch.zeros_like(record))
+        st.step_amax.index_copy_(0, rows, torch.maximum(st.step_amax.index_select(0, rows), kept))
+    return out

@@ -1,0 +1,198 @@
+"""Compiled grouped layers with the group sizes on the device: one graph for every routing, eager's bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import scalestate as ss
+from helpers import assert_same_quantized
+from scalestate.backends import CastRequest, GroupedCastRequest, GroupedOperand, SupportsDeviceGroups
+from scalestate.backends.base import cast_spec
+from scalestate.backends.emulation import EmulationBackend
+from scalestate.backends.scaled_mm import ScaledMMBackend
+from scalestate.quantized import Orientation
+from scalestate.testing import TinyLM, assert_same
+
+E, IN, OUT = 4, 32, 48
+#: Tokens per expert at each step (32 in all): a new pattern of empty experts at almost every step.
+SIZES = [[8, 0, 16, 8], [4, 12, 0, 16], [0, 0, 32, 0], [1, 1, 1, 29], [16, 16, 0, 0]]
+
+
+def _run(
+    recipe: ss.Recipe, compiler: str | None, *, bias: bool = False, fullgraph: bool = True
+) -> tuple[list, int]:
+    """Train a GroupedLinear over SIZES (sizes as tensors), compiled with ``compiler`` or eager (``None``):
+    (outputs, gradients and state after every step, number of compiled frames)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    manager = ss.ScalingStateManager(recipe, backend="emulation")
+    layer = ss.nn.GroupedLinear(E, IN, OUT, bias=bias, manager=manager, name="moe")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    counter = CompileCounterWithBackend(compiler) if compiler else None
+    run = torch.compile(layer, fullgraph=fullgraph, backend=counter) if counter else layer
+    gen = torch.Generator().manual_seed(1)
+    out: list = []
+    for sizes in SIZES:
+        x = (torch.randn(sum(sizes), IN, generator=gen) * 4).requires_grad_()
+        with manager.forward():
+            y = run(x, torch.tensor(sizes))
+        with manager.backward():
+            (y**2).mean().backward()
+        out += [y.detach(), x.grad, *(p.grad.clone() for p in layer.parameters())]
+        opt.step()
+        opt.zero_grad()
+        manager.step()
+        out.append(manager.state_dict())
+    return out, counter.frame_count if counter else 0
+
+
+@pytest.mark.parametrize(
+    ("recipe", "compiler"),
+    [
+        (ss.DelayedScaling(history_len=4), "aot_eager"),
+        (ss.CurrentScaling(), "aot_eager"),
+        (ss.DelayedScaling(history_len=4), "inductor"),
+    ],
+    ids=["delayed-aot_eager", "current-aot_eager", "delayed-inductor"],
+)
+def test_compiles_once_for_every_routing(recipe: ss.Recipe, compiler: str) -> None:
+    """Group sizes as a tensor: one compiled graph over five routings (empty experts changing at every
+    step), with the eager layer's outputs, gradients, histories and scales, bitwise; empty experts record
+    nothing (their state is eager's, where they cast nothing)."""
+    got, frames = _run(recipe, compiler)
+    want, _ = _run(recipe, None)
+    assert frames == 1
+    assert_same(got, want, name=f"compiled ({compiler}) vs eager")
+
+
+def test_bias_takes_the_host_path() -> None:
+    """A per-expert bias needs each group's size for its gradient's bits: the host path, still eager's bits."""
+    got, _ = _run(ss.DelayedScaling(history_len=4), "aot_eager", bias=True, fullgraph=False)
+    want, _ = _run(ss.DelayedScaling(history_len=4), None, bias=True)
+    assert_same(got, want, name="compiled with bias vs eager")
+
+
+def test_moe_model_compiles_once() -> None:
+    """TinyLM with MoE blocks, converted: its router sorts on the device in compiled code, so that the
+    whole model is one graph for every routing, bitwise the eager model."""
+
+    def run(compiled: bool) -> tuple[list, int]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        model = ss.nn.convert(TinyLM(vocab=64, d_model=32, n_layers=2, n_heads=2, moe=(4, 2)), manager)
+        counter = CompileCounterWithBackend("aot_eager")
+        forward = torch.compile(model, fullgraph=True, backend=counter) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        out: list = []
+        for _ in range(4):
+            tokens = torch.randint(0, 64, (2, 16), generator=gen)
+            with manager.forward():
+                y = forward(tokens)
+            with manager.backward():
+                y.float().square().mean().backward()
+            out.append(y.detach())
+            opt.step()
+            opt.zero_grad()
+            manager.step()
+            out.append(manager.state_dict())
+        return out, counter.frame_count
+
+    (got, frames), (want, _) = run(True), run(False)
+    assert frames == 1
+    assert_same(got, want, name="compiled MoE model vs eager")
+
+
+def test_device_grouped_cast_matches_one_cast_per_group() -> None:
+    """cast_grouped_rows with the sizes as a tensor (a zero among them, a NaN, a zero group of values)
+    against one cast per group: the same bits and records; an empty group records maximum(record, 0)."""
+    backend = EmulationBackend()
+    sizes = [3, 0, 5, 4]
+    x = torch.randn(12, IN) * torch.tensor([1.0, 1e-3, 1e3]).repeat_interleave(4)[:, None]
+    x[9, 2] = float("nan")
+    x[3:8] = 0.0
+    spec = cast_spec(ss.DelayedScaling(), ss.Role.INPUT)
+    scale = torch.tensor([2.0, 8.0, 0.5, 1.0])
+    for jit in (True, False, torch.tensor([True, False, False, True])):
+        record = torch.tensor([0.5, 3.0, 0.0, 1e4])
+        rows = backend.cast_grouped_rows(
+            GroupedCastRequest(x, spec, torch.tensor(sizes), scale, jit, record)
+        )
+        want_record = torch.tensor([0.5, 3.0, 0.0, 1e4])
+        for g, part in enumerate(x.split(sizes)):
+            if not sizes[g]:
+                continue
+            jit_g = jit if isinstance(jit, bool) else bool(jit[g])
+            want = backend.cast(CastRequest(part, spec, scale[g].clone(), jit_g, want_record[g]))
+            start = sum(sizes[:g])
+            got = ss.Quantized.of(Orientation(rows.data[start : start + sizes[g]], rows.scale[g], rows.scale_inv[g]))
+            assert_same_quantized(got, want, f"group {g}, jit {jit}")
+        assert torch.equal(rows.group_of_row, torch.tensor([0, 0, 0, 2, 2, 2, 2, 2, 3, 3, 3, 3]))
+        assert torch.equal(record.isnan(), want_record.isnan())
+        assert torch.equal(record.nan_to_num(), want_record.nan_to_num())
+
+
+def test_grouped_products_match_one_product_per_group() -> None:
+    """grouped_scaled_mm against the backend's scaled_mm of each group, for the three products of a layer
+    (rows by 3-d weights, both layouts; a transposed gradient by rows), empty groups giving zeros."""
+    backend = EmulationBackend()
+    sizes = [5, 0, 17, 1]
+    counts = torch.tensor(sizes)
+    offsets = counts.cumsum(0).to(torch.int32)
+    group_of_row = torch.repeat_interleave(torch.arange(E), counts)
+    spec = cast_spec(ss.CurrentScaling(), ss.Role.INPUT)
+
+    def cast(t: torch.Tensor) -> ss.Quantized:
+        return backend.cast(CastRequest(t, spec, torch.ones(()), True))
+
+    x, g = torch.randn(23, IN), torch.randn(23, OUT)
+    qx = [cast(p) for p in x.split(sizes)]
+    qg = [cast(p) for p in g.split(sizes)]
+    qw = [cast(w) for w in torch.randn(E, OUT, IN)]
+    xs = GroupedOperand(torch.cat([q.data for q in qx]), torch.stack([q.scale_inv for q in qx])[group_of_row, None])
+    gs = GroupedOperand(torch.cat([q.data for q in qg]), torch.stack([q.scale_inv for q in qg])[group_of_row, None])
+    ws = GroupedOperand(torch.stack([q.data for q in qw]), torch.stack([q.scale_inv for q in qw]).view(E, 1, 1))
+    f32, bf16 = torch.float32, torch.bfloat16
+    used = [e for e, n in enumerate(sizes) if n]
+    forward = backend.grouped_scaled_mm(xs, ws._replace(data=ws.data.transpose(1, 2)), offsets, out_dtype=f32)
+    assert torch.equal(forward, torch.cat([backend.scaled_mm(qx[e], qw[e].t(), out_dtype=f32) for e in used]))
+    grad_x = backend.grouped_scaled_mm(gs, ws, offsets, out_dtype=bf16)
+    assert torch.equal(grad_x, torch.cat([backend.scaled_mm(qg[e], qw[e], out_dtype=bf16) for e in used]))
+    transposed = gs._replace(data=gs.data.t(), scale_inv=gs.scale_inv.t())
+    grad_w = backend.grouped_scaled_mm(transposed, xs, offsets, out_dtype=f32)
+    assert torch.equal(grad_w[1], torch.zeros(OUT, IN))
+    for e in used:
+        assert torch.equal(grad_w[e], backend.scaled_mm(qg[e].t(), qx[e], out_dtype=f32))
+
+
+def test_which_backends_keep_sizes_on_the_device() -> None:
+    """The emulation backend's grouped products are its own everywhere; scaled_mm's products are torch's
+    kernels (one per group), so its compiled grouped layers take the host path."""
+    cpu = torch.device("cpu")
+    assert isinstance(EmulationBackend(), SupportsDeviceGroups)
+    assert EmulationBackend().grouped_products(cpu)
+    assert not ScaledMMBackend().grouped_products(cpu)
+
+
+def test_sort_by_expert_on_device_matches_the_host_sort() -> None:
+    """on_device=True: the same order and tokens, the counts as a tensor, nothing read on the host."""
+    index = torch.randint(0, 6, (40, 2), generator=torch.Generator().manual_seed(0))
+    order, tokens, sizes = ss.nn.sort_by_expert(index, 6)
+    d_order, d_tokens, d_sizes = ss.nn.sort_by_expert(index, 6, on_device=True)
+    assert torch.equal(d_order, order) and torch.equal(d_tokens, tokens)
+    assert d_sizes.dtype == torch.int64 and d_sizes.tolist() == sizes
+
+
+def test_bad_device_sizes_are_refused() -> None:
+    """A group-size tensor of the wrong shape is refused by name in compiled code (the compiler runs the
+    frame eagerly to raise it), as in eager code."""
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    layer = ss.nn.GroupedLinear(E, IN, OUT, manager=manager, name="moe")
+    torch._dynamo.reset()
+    run = torch.compile(layer, backend="aot_eager")
+    refused = pytest.raises(ss.errors.ArgumentTypeError, match="group_sizes must be a 1-d integer tensor")
+    with manager.forward(), refused:
+        run(torch.randn(8, IN), torch.tensor([[4, 4]]))
