@@ -339,6 +339,12 @@ class ScalingStateManager(PhaseControl):
         """Grouped casts (see scalestate.nn.quantize_grouped and `scalestate._engine.casting`)."""
         return self._caster.cast_grouped(slots, x, sizes, transpose)
 
+    def _cast_weights(
+        self, slots: Sequence[Slot], weight: Tensor, experts: Sequence[int], views: Sequence[Tensor], transpose: bool
+    ) -> list[Quantized]:
+        """Per-expert weight casts, the uncached ones grouped (see `scalestate._engine.casting`)."""
+        return self._caster.cast_weights(slots, weight, experts, views, transpose)
+
     def _takes_device_groups(self, slots: Sequence[Slot], device: torch.device) -> bool:
         """Whether compiled grouped casts can keep their sizes on the device (`scalestate._engine.grouped_rows`)."""
         return grouped_rows.takes_device_groups(self._caster, slots, device)

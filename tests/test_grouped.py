@@ -199,20 +199,23 @@ def _state(handle: ss.ScalingHandle) -> list[Tensor]:
 
 
 def test_weight_cast_cached_per_expert() -> None:
-    """Each used expert's weight is cast once per step, whatever the microbatches and recomputes;
-    an optimizer step (in place) makes the next step cast it again."""
+    """Each used expert's weight is cast once per step, whatever the microbatches and recomputes (the
+    uncached ones in one grouped cast); an expert first used in a later microbatch is cast then, alone;
+    an optimizer step (in place) makes the next step cast them again."""
     manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
     layer = ss.nn.GroupedLinear(E, IN, OUT, manager=manager, name="moe")
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     views = layer.views.of(layer.weight)
     for _ in range(2):
         with CastSpy(manager) as spy:
-            for _ in range(3):
+            for sizes in ([4, 4, 0, 8], [4, 4, 0, 8], [4, 4, 4, 4]):
                 with manager.forward():
-                    y = layer(torch.randn(16, IN), [4, 4, 0, 8])
+                    y = layer(torch.randn(16, IN), sizes)
                 with manager.backward():
                     y.sum().backward()
-        assert [spy.casts_of(v) for v in views] == [1, 1, 0, 1]
+        weight_casts = [r.sizes for r in spy.grouped_requests if r.sizes[0] == OUT]
+        assert weight_casts == [(OUT, OUT, OUT)]  # experts 0, 1 and 3, once
+        assert [spy.casts_of(v) for v in views] == [0, 0, 1, 0]  # expert 2, in the third microbatch
         opt.step()
         manager.step()
     assert layer.views.of(layer.weight) is views  # same tensors: in-place steps keep them
@@ -277,8 +280,8 @@ def test_all_experts_empty() -> None:
 
 
 def test_one_grouped_cast_per_role_and_layer() -> None:
-    """Per-tensor recipes: every used expert's input in one backend call, every output gradient in another;
-    the weights are cast one by one, once per step (cached)."""
+    """Per-tensor recipes: every used expert's input in one backend call, every output gradient in another,
+    and the used experts' weights in a third, once per step (cached); all of the weight tensor uncopied."""
     manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
     layer = ss.nn.GroupedLinear(E, IN, OUT, manager=manager, name="moe")
     with CastSpy(manager) as spy:
@@ -287,9 +290,16 @@ def test_one_grouped_cast_per_role_and_layer() -> None:
                 y = layer(torch.randn(24, IN), [8, 0, 8, 8])
             with manager.backward():
                 y.sum().backward()
-    assert [r.sizes for r in spy.grouped_requests] == [(8, 8, 8)] * 4  # input, gradient; two microbatches
-    assert len(spy.requests) == 3  # the used experts' weights, once each
+    # input, the used experts' weights (once: cached), gradient; then input and gradient again
+    assert [r.sizes for r in spy.grouped_requests] == [(8, 8, 8), (OUT, OUT, OUT), (8, 8, 8), (8, 8, 8), (8, 8, 8)]
+    assert spy.requests == []
     assert all(r.record is not None for r in spy.grouped_requests)
+    layer.weight.data.mul_(2)
+    layer.invalidate_casts()
+    with CastSpy(manager) as spy, manager.forward():
+        layer(torch.randn(32, IN), [8, 8, 8, 8])
+    weights = spy.grouped_requests[1]
+    assert weights.sizes == (OUT,) * E and weights.x.data_ptr() == layer.weight.data_ptr()  # every expert: no copy
 
 
 def test_grouped_cast_matches_one_cast_per_group() -> None:

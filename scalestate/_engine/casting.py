@@ -138,43 +138,89 @@ class Caster:
         other than WEIGHT, eager, no debug mode or statistics); otherwise one
         :meth:`cast` per group. The same bits and records either way.
         """
-        st = self._state
-        spec = slots[0].spec
-        if (
-            len(slots) < 2 or torch.compiler.is_compiling() or st.checker is not None or self._stats
-            or spec.granularity is not None or slots[0].role is Role.WEIGHT or x.dim() != 2
-            or not x.is_floating_point() or any(slot.spec != spec for slot in slots)
-        ):
+        if slots[0].role is Role.WEIGHT or not self._groups_alike(slots, x):
             return self._cast_each(slots, x, sizes, transpose)
         with hidden_from_sac():  # as every eager cast (see cast)
-            if not self._binding.ready or x.device != st.device:
-                self._binding.settle(x.device)
-            backend = self._binding.backend
-            if not isinstance(backend, SupportsGroupedCast):
-                return self._cast_each(slots, x, sizes, transpose)
-            kind = self._kind(slots[0], False, False)  # one phase, one role: the same for every slot
-            key = (st.device, *(slot.row for slot in slots))
-            rows = self._rows.get(key)
-            if rows is None:  # one layer's slots: the same rows at every call (slots never move)
-                rows = self._rows[key] = ints_on([slot.row for slot in slots], st.device)
-            jits = [st.jit(slot, delayed=self._delayed, compiling=False) for slot in slots]
-            if all(j is True for j in jits) or all(j is False for j in jits):
-                jit: bool | Tensor = jits[0]
+            out = self._grouped(slots, x, sizes, transpose, self._kind(slots[0], False, False))
+        return self._cast_each(slots, x, sizes, transpose) if out is None else out
+
+    def cast_weights(
+        self, slots: Sequence[Slot], weight: Tensor, experts: Sequence[int], views: Sequence[Tensor], transpose: bool
+    ) -> list[Quantized]:
+        """The weight casts of ``slots``, ``views[g]`` (``weight[experts[g]]``) for ``slots[g]``, each through the
+        weight-cast cache as :meth:`cast` makes it; a training forward casts the weights not cached in one
+        :class:`GroupedCastRequest` (one request of the whole ``weight`` when none is), with the same bits."""
+        st = self._state
+        if not self._groups_alike(slots, weight) or self._kind(slots[0], False, False) is not CastKind.RECORD:
+            return [self.cast(slot, v, transpose) for slot, v in zip(slots, views, strict=True)]
+        out: list[Quantized | None] = [None] * len(slots)
+        misses = []
+        for g, (slot, view) in enumerate(zip(slots, views, strict=True)):
+            if st.casts.get(slot, view, st.epoch) is not None:
+                out[g] = self.cast(slot, view, transpose)  # a hit: the cache's own accounting
             else:
-                # a fill, not a copy from the host, for the slots decided on the host
-                jit = torch.stack([
-                    torch.full((), j, dtype=torch.bool, device=st.device) if isinstance(j, bool) else j for j in jits
-                ])
-            record = st.step_amax.index_select(0, rows) if kind is CastKind.RECORD else None
-            request = GroupedCastRequest(
-                x.detach(), spec, tuple(sizes), st.scales.index_select(0, rows), jit, record, transpose
-            )
-            out = list(backend.cast_grouped(request))
-            if record is not None:
-                st.step_amax.index_copy_(0, rows, record)
-                for slot in slots:
-                    st.note_recorded(slot)
-            return out
+                misses.append(g)
+        if len(misses) > 1:
+            for g in misses:
+                if st.casts.modified_in_place(slots[g], views[g], st.epoch):
+                    st.watch.weight_updated(slots[g].row)
+            picked = [experts[g] for g in misses]
+            whole = picked == list(range(weight.shape[0]))
+            x = weight.detach() if whole else weight.detach().index_select(0, ints_on(picked, weight.device))
+            rows = views[0].shape[0]
+            with hidden_from_sac():
+                cast = self._grouped(
+                    [slots[g] for g in misses], x.reshape(-1, x.shape[-1]), [rows] * len(misses), transpose,
+                    CastKind.RECORD,
+                )
+            if cast is not None:
+                for g, q in zip(misses, cast, strict=True):
+                    st.casts.put(slots[g], views[g], st.epoch, q, None)
+                    out[g] = q
+        return [
+            q if q is not None else self.cast(slot, v, transpose) for q, slot, v in zip(out, slots, views, strict=True)
+        ]
+
+    def _groups_alike(self, slots: Sequence[Slot], x: Tensor) -> bool:
+        """Whether grouped casts of ``slots`` can go as one request: eager, no debug mode or statistics,
+        one per-tensor spec, a floating-point ``x``."""
+        spec = slots[0].spec
+        return not (
+            len(slots) < 2 or torch.compiler.is_compiling() or self._state.checker is not None or self._stats
+            or spec.granularity is not None or not x.is_floating_point() or any(slot.spec != spec for slot in slots)
+        )
+
+    def _grouped(
+        self, slots: Sequence[Slot], x: Tensor, sizes: Sequence[int], transpose: bool, kind: CastKind
+    ) -> list[Quantized] | None:
+        """One grouped request of 2-d ``x``'s row groups (``None``: the backend takes none)."""
+        st = self._state
+        if not self._binding.ready or x.device != st.device:
+            self._binding.settle(x.device)
+        backend = self._binding.backend
+        if x.dim() != 2 or not isinstance(backend, SupportsGroupedCast):
+            return None
+        key = (st.device, *(slot.row for slot in slots))
+        rows = self._rows.get(key)
+        if rows is None:  # one layer's slots: the same rows at every call (slots never move)
+            rows = self._rows[key] = ints_on([slot.row for slot in slots], st.device)
+        jits = [st.jit(slot, delayed=self._delayed, compiling=False) for slot in slots]
+        if all(j is True for j in jits) or all(j is False for j in jits):
+            jit: bool | Tensor = jits[0]
+        else:
+            # a fill, not a copy from the host, for the slots decided on the host
+            jit = torch.stack([
+                torch.full((), j, dtype=torch.bool, device=st.device) if isinstance(j, bool) else j for j in jits
+            ])
+        record = st.step_amax.index_select(0, rows) if kind is CastKind.RECORD else None
+        request = GroupedCastRequest(x.detach(), slots[0].spec, tuple(sizes), st.scales.index_select(0, rows), jit,
+                                     record, transpose)
+        out = list(backend.cast_grouped(request))
+        if record is not None:
+            st.step_amax.index_copy_(0, rows, record)
+            for slot in slots:
+                st.note_recorded(slot)
+        return out
 
     def _cast_each(self, slots: Sequence[Slot], x: Tensor, sizes: Sequence[int], transpose: bool) -> list[Quantized]:
         """The grouped cast as one :meth:`cast` per group."""

@@ -98,13 +98,16 @@ def grouped_linear(
     expert ``e`` and are multiplied by ``weight[e]`` (plus ``bias[e]``) through
     ``handles[e]``, exactly as :func:`scalestate.nn.linear` would multiply them:
     the same casts, products and bits. The inputs of all experts are cast in one
-    grouped cast, and so are their output gradients (see :func:`quantize_grouped`);
-    each expert's weight cast is cached as a ``Linear`` weight's is. Experts with
-    no tokens cast and record nothing; their weight gradient is zero.
+    grouped cast, and so are their output gradients (see :func:`quantize_grouped`)
+    and the weights not already cached; each expert's weight cast is cached as a
+    ``Linear`` weight's is. Experts with no tokens cast and record nothing; their
+    weight gradient is zero.
 
-    ``group_sizes`` is read on the host once per call (a tensor costs one
-    device synchronization, as ``torch.nn.functional.grouped_mm``'s callers
-    also pay to size its output).
+    In eager code ``group_sizes`` is read on the host once per call (a tensor
+    costs one device synchronization, as ``torch.nn.functional.grouped_mm``'s
+    callers also pay to size its output). In compiled code a tensor stays on
+    the device where the recipe and backend allow (see
+    :mod:`scalestate.nn.grouped_device`): one graph for every routing.
 
     Args:
         x: ``(T, in_features)``, ordered by expert.
@@ -162,7 +165,9 @@ def grouped_linear(
     keep = views is not None and not torch.compiler.is_compiling()
     cast_source = views.of(weight) if keep and views is not None else weight.detach().unbind(0)
     qxs = cast_groups(handles, x, sizes, Role.INPUT, transpose)
-    qws = [handles[e].quantize(cast_source[e], Role.WEIGHT, transpose=transpose) for e in used]
+    qws = manager._cast_weights(
+        [handles[e]._slot(Role.WEIGHT) for e in used], weight, used, [cast_source[e] for e in used], transpose
+    )
     out: Tensor = GroupedFP8LinearFunction.apply(  # type: ignore[no-untyped-call]
         x, weight, bias, used, tuple(sizes[e] for e in used), [qxs[e] for e in used], qws, handles,
         manager.backend, out_dtype,
