@@ -184,11 +184,26 @@ class Caster:
     def _groups_alike(self, slots: Sequence[Slot], x: Tensor) -> bool:
         """Whether grouped casts of ``slots`` can go as one request: eager, no debug mode or statistics,
         one per-tensor spec, a floating-point ``x``."""
-        spec = slots[0].spec
         return not (
-            len(slots) < 2 or torch.compiler.is_compiling() or self._state.checker is not None or self._stats
-            or spec.granularity is not None or not x.is_floating_point() or any(slot.spec != spec for slot in slots)
+            len(slots) < 2 or torch.compiler.is_compiling() or self._state.checker is not None
+            or not x.is_floating_point() or not self.one_per_tensor_spec(slots)
         )
+
+    def one_per_tensor_spec(self, slots: Sequence[Slot]) -> bool:
+        """Whether ``slots`` share one per-tensor spec and no statistics are kept: what a grouped request needs."""
+        spec = slots[0].spec
+        return not self._stats and spec.granularity is None and all(slot.spec == spec for slot in slots)
+
+    def group_jit(self, slots: Sequence[Slot], *, compiling: bool) -> bool | Tensor:
+        """A grouped request's ``jit``: one bool where every slot's is that bool, else a ``[G]`` bool tensor."""
+        st = self._state
+        jits = [st.jit(slot, delayed=self._delayed, compiling=compiling) for slot in slots]
+        if all(j is True for j in jits) or all(j is False for j in jits):
+            return jits[0]
+        # a fill, not a copy from the host, for the slots decided on the host
+        return torch.stack([
+            torch.full((), j, dtype=torch.bool, device=st.device) if isinstance(j, bool) else j for j in jits
+        ])
 
     def _grouped(
         self, slots: Sequence[Slot], x: Tensor, sizes: Sequence[int], transpose: bool, kind: CastKind
@@ -204,17 +219,9 @@ class Caster:
         rows = self._rows.get(key)
         if rows is None:  # one layer's slots: the same rows at every call (slots never move)
             rows = self._rows[key] = ints_on([slot.row for slot in slots], st.device)
-        jits = [st.jit(slot, delayed=self._delayed, compiling=False) for slot in slots]
-        if all(j is True for j in jits) or all(j is False for j in jits):
-            jit: bool | Tensor = jits[0]
-        else:
-            # a fill, not a copy from the host, for the slots decided on the host
-            jit = torch.stack([
-                torch.full((), j, dtype=torch.bool, device=st.device) if isinstance(j, bool) else j for j in jits
-            ])
         record = st.step_amax.index_select(0, rows) if kind is CastKind.RECORD else None
-        request = GroupedCastRequest(x.detach(), slots[0].spec, tuple(sizes), st.scales.index_select(0, rows), jit,
-                                     record, transpose)
+        request = GroupedCastRequest(x.detach(), slots[0].spec, tuple(sizes), st.scales.index_select(0, rows),
+                                     self.group_jit(slots, compiling=False), record, transpose)
         out = list(backend.cast_grouped(request))
         if record is not None:
             st.step_amax.index_copy_(0, rows, record)

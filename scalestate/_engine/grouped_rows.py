@@ -34,10 +34,7 @@ def takes_device_groups(caster: Caster, slots: Sequence[Slot], device: torch.dev
     """Whether compiled code can cast and multiply ``slots``' groups with the sizes on the device:
     per-tensor specs shared by all, no statistics, and a backend whose grouped products are its own
     on ``device`` in the layout it is handed (no transposed copies wanted)."""
-    if not torch.compiler.is_compiling() or caster._stats or not slots:
-        return False
-    spec = slots[0].spec
-    if spec.granularity is not None or any(slot.spec != spec for slot in slots):
+    if not torch.compiler.is_compiling() or not slots or not caster.one_per_tensor_spec(slots):
         return False
     settle_during_trace(caster._binding, device)
     backend = caster._binding.backend
@@ -55,8 +52,7 @@ def cast_rows(caster: Caster, slots: Sequence[Slot], x: Tensor, counts: Tensor, 
     backend = caster._binding.backend
     assert isinstance(backend, SupportsDeviceGroups)
     rows = torch.tensor([slot.row for slot in slots], device=st.device)
-    jits = [st.jit(slot, delayed=caster._delayed, compiling=True) for slot in slots]
-    jit: bool | Tensor = jits[0] if all(isinstance(j, bool) for j in jits) else torch.stack(jits)  # type: ignore[arg-type]
+    jit = caster.group_jit(slots, compiling=True)
     recording = caster._kind(slots[0], False, True) is CastKind.RECORD  # one phase, one role: every slot's kind
     record = torch.zeros(len(slots), dtype=torch.float32, device=st.device) if recording else None
     request = GroupedCastRequest(x.detach(), slots[0].spec, counts, st.scales.index_select(0, rows), jit, record)
