@@ -13,6 +13,9 @@ Prints, on one CPU thread by default:
 3. the cost of ``collect_stats=True`` on a 1024 x 1024 layer (1024 rows);
 4. ``manager.step()`` at 10, 1,000 and 10,000 slots (a slot is one
    (name, role) row), with the number of tensor operations it dispatches;
+   and at 30,000 slots (10,000 ``ss.nn.Linear``) after a training pass, with
+   every weight's cast cached against none (``invalidate_casts()`` first): a
+   step voids cached casts by their epoch, so their number must not matter;
 5. registration: 300 ``register()`` calls at 200 slots against at 10,000.
 
 Timings are medians over ``--repeats`` rounds that alternate between the
@@ -139,6 +142,35 @@ def _step(slots: int, iters: int, repeats: int) -> tuple[float, int]:
     return _side_by_side({"step": manager.step}, iters, repeats)["step"], len(log)
 
 
+def _step_cached(layers: int, repeats: int) -> tuple[float, float]:
+    """Median ms of step() after a training pass of ``layers`` Linears: every weight cached, and none."""
+    import gc
+    import warnings
+
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    model = [ss.nn.Linear(4, 4, manager=manager, name=f"l{i}") for i in range(layers)]
+    x = torch.randn(2, 4)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ss.errors.MissingStepWarning)  # one pass per layer, by design
+        for r in range(repeats + 1):
+            for cached in (True, False) if r % 2 else (False, True):
+                for layer in model:
+                    layer(x).sum().backward()
+                if not cached:
+                    manager.invalidate_casts()
+                # Freeing 10,000 casts just before makes the allocator consolidate them at the step's
+                # first large allocation: settle it in both cases, so that the step itself is measured.
+                gc.collect()
+                for _ in range(3):
+                    torch.zeros(3 * layers, 16).abs_().amax()
+                start = time.perf_counter()
+                manager.step()
+                if r:  # round 0 warms up
+                    times[cached].append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
 def _registration(existing: int, new: int = 300) -> float:
     manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
     for i in range(existing):
@@ -180,6 +212,10 @@ def main() -> None:
     for slots in (10, 1_000, 10_000):
         us, ops = _step(slots, max(args.iters // 10, 20), args.repeats)
         print(f"  {slots:>8}{us:>12.1f}{ops:>12}")
+
+    cached, none = _step_cached(10_000, args.repeats)
+    print(f"  30,000 slots after a pass: every weight cached {cached:.2f} ms, none {none:.2f} ms "
+          f"(x{cached / none:.2f}; goal: cached casts add nothing)")
 
     small, large = _registration(200), _registration(10_000)
     print("\nregister(): 300 calls")

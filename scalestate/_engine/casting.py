@@ -248,11 +248,13 @@ class Caster:
                 st.add_counts(slot, *self._counts(slot, x, q, shard))
             return q
         # Eager casts reuse views made once; compiled code derives them from the buffers itself.
-        scale, acc = (st.scale_of(slot), st.accumulator_of(slot)) if compiling else st.views_of(slot)
+        scale, acc = st.read_row(slot) if compiling else st.views_of(slot)
         record = acc if kind is CastKind.RECORD else None
         q = self._run(slot, x, transpose, scale, record, shard, compiling=compiling)
         if record is not None:
-            if not compiling:
+            if compiling:
+                st.write_accumulator(slot, record)
+            else:
                 st.note_recorded(slot)
             if self._stats:
                 st.add_counts(slot, *self._counts(slot, x, q, shard))

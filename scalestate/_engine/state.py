@@ -9,6 +9,7 @@ from torch import Tensor
 from scalestate._engine.cache import WeightCastCache
 from scalestate._engine.debug import RecomputeChecker
 from scalestate._engine.randomness import Randomness
+from scalestate._engine.rows import RowViews
 from scalestate._engine.stepwatch import StepWatch
 from scalestate.backends.base import CastSpec, StepUpdate
 from scalestate.errors import SlotError
@@ -80,8 +81,8 @@ class State:
         self._counts = self._alloc_counts(0, 4)
         self._last_counts = self._alloc_counts(0, 4)
         self._frozen = False
-        #: Per-row views of the scale and accumulator buffers (see views_of).
-        self._views: list[tuple[Tensor, Tensor]] = []
+        #: Per-row index tensors (compiled code) and views (eager casts) of the buffers.
+        self._rows = RowViews()
         self._pinned = False
         self._iteration = 0
         self._epoch = 0
@@ -96,12 +97,6 @@ class State:
         self._watch = StepWatch()
         self._casts = WeightCastCache()
         self._checker = RecomputeChecker() if debug else None
-
-    def __getstate__(self) -> dict[str, object]:
-        """Pickled and deep-copied without the cached row views (made again on first use)."""
-        state = self.__dict__.copy()
-        state["_views"] = []
-        return state
 
     # ------------------------------------------------------- bookkeeping
     @property
@@ -239,16 +234,17 @@ class State:
         """0-d view of ``slot``'s scale."""
         return self._scales[slot.row]
 
-    def accumulator_of(self, slot: Slot) -> Tensor:
-        """0-d view of ``slot``'s step accumulator."""
-        return self._step_amax[slot.row]
-
     def views_of(self, slot: Slot) -> tuple[Tensor, Tensor]:
-        """``(scale_of(slot), accumulator_of(slot))``, made once per buffer allocation (eager casts)."""
-        views = self._views
-        if len(views) <= slot.row:
-            views.extend((self._scales[row], self._step_amax[row]) for row in range(len(views), len(self._slots)))
-        return views[slot.row]
+        """0-d views of ``slot``'s scale and step accumulator, made once per buffer allocation (eager casts)."""
+        return self._rows.views(slot.row, len(self._slots), self._scales, self._step_amax)
+
+    def read_row(self, slot: Slot) -> tuple[Tensor, Tensor]:
+        """Compiled code: ``slot``'s scale and accumulator (see RowViews.read)."""
+        return self._rows.read(slot.row, slot.spec, self._scales, self._step_amax)
+
+    def write_accumulator(self, slot: Slot, value: Tensor) -> None:
+        """Compiled code: store an accumulator read by :meth:`read_row`."""
+        self._rows.write(slot.row, slot.spec, self._step_amax, value)
 
     def history_of(self, slot: Slot) -> Tensor:
         """``[H]`` view of ``slot``'s history."""
@@ -293,7 +289,7 @@ class State:
         self._history, self._scales, self._step_amax, self._fp8_max = history, scales, step_amax, fp8_max
         self._nonfinite = nonfinite
         self._capacity = capacity
-        self._views.clear()
+        self._rows = RowViews(capacity, self._device)
 
     def add(self, name: str, specs: dict[Role, CastSpec], *, reduce: bool = True) -> dict[Role, Slot]:
         """New rows for ``name``'s roles (zero history, scale 1): their slots, by role."""
@@ -324,7 +320,7 @@ class State:
         self._counts = self._counts.to(device)
         self._last_counts = self._last_counts.to(device)
         self._device = device
-        self._views.clear()
+        self._rows = RowViews(self._capacity, device)
         self._casts.clear()
 
     # ------------------------------------------------------------- values
@@ -343,7 +339,7 @@ class State:
         if not delayed:
             return True
         if compiling:
-            return self._history[slot.row, -1] <= 0
+            return self._rows.newest(slot.row, slot.spec, self._history) <= 0
         if not self._may_have_history:
             return True
         if slot.row in self._with_history:
