@@ -20,27 +20,50 @@ E, IN, OUT = 4, 32, 48
 SIZES = [[8, 0, 16, 8], [4, 12, 0, 16], [0, 0, 32, 0], [1, 1, 1, 29], [16, 16, 0, 0]]
 
 
+class _Checkpointed(torch.nn.Module):
+    """The layer under torch's non-reentrant checkpoint: its forward is recomputed in backward."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.utils.checkpoint.checkpoint(self.layer, x, sizes, use_reentrant=False)
+        return y
+
+
 def _run(
-    recipe: ss.Recipe, compiler: str | None, *, bias: bool = False, fullgraph: bool = True
+    recipe: ss.Recipe,
+    compiler: str | None,
+    *,
+    bias: bool = False,
+    fullgraph: bool = True,
+    microbatches: int = 1,
+    checkpoint: bool = False,
 ) -> tuple[list, int]:
     """Train a GroupedLinear over SIZES (sizes as tensors), compiled with ``compiler`` or eager (``None``):
-    (outputs, gradients and state after every step, number of compiled frames)."""
+    (outputs, gradients and state after every step, number of compiled frames). ``microbatches``: passes
+    per step, the later ones with the step's sizes reversed; ``checkpoint``: the layer is checkpointed."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     manager = ss.ScalingStateManager(recipe, backend="emulation")
     layer = ss.nn.GroupedLinear(E, IN, OUT, bias=bias, manager=manager, name="moe")
+    model = _Checkpointed(layer) if checkpoint else layer
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     counter = CompileCounterWithBackend(compiler) if compiler else None
-    run = torch.compile(layer, fullgraph=fullgraph, backend=counter) if counter else layer
+    run = torch.compile(model, fullgraph=fullgraph, backend=counter) if counter else model
     gen = torch.Generator().manual_seed(1)
     out: list = []
     for sizes in SIZES:
-        x = (torch.randn(sum(sizes), IN, generator=gen) * 4).requires_grad_()
-        with manager.forward():
-            y = run(x, torch.tensor(sizes))
-        with manager.backward():
-            (y**2).mean().backward()
-        out += [y.detach(), x.grad, *(p.grad.clone() for p in layer.parameters())]
+        for microbatch in range(microbatches):
+            step_sizes = sizes if microbatch == 0 else sizes[::-1]
+            x = (torch.randn(sum(step_sizes), IN, generator=gen) * 4).requires_grad_()
+            with manager.forward():
+                y = run(x, torch.tensor(step_sizes))
+            with manager.backward():
+                (y**2).mean().backward()
+            out += [y.detach(), x.grad]
+        out += [p.grad.clone() for p in layer.parameters()]
         opt.step()
         opt.zero_grad()
         manager.step()
@@ -65,6 +88,18 @@ def test_compiles_once_for_every_routing(recipe: ss.Recipe, compiler: str) -> No
     want, _ = _run(recipe, None)
     assert frames == 1
     assert_same(got, want, name=f"compiled ({compiler}) vs eager")
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+def test_microbatches_and_checkpointing_on_the_device_path(checkpoint: bool) -> None:
+    """Two microbatches per step (different routings), the layer plain or under torch's checkpoint inside
+    the compiled region: still one graph, and bitwise the eager, un-checkpointed layer (each step's amaxes
+    are the max over its microbatches; the recompute in backward records nothing)."""
+    recipe = ss.DelayedScaling(history_len=4)
+    got, frames = _run(recipe, "aot_eager", microbatches=2, checkpoint=checkpoint)
+    want, _ = _run(recipe, None, microbatches=2)
+    assert frames == 1
+    assert_same(got, want, name=f"compiled ({'checkpointed' if checkpoint else 'plain'}) vs eager, 2 microbatches")
 
 
 def test_bias_takes_the_host_path() -> None:
