@@ -28,8 +28,10 @@ compared variants, so machine noise hits both alike.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -144,9 +146,6 @@ def _step(slots: int, iters: int, repeats: int) -> tuple[float, int]:
 
 def _step_cached(layers: int, repeats: int) -> tuple[float, float]:
     """Median ms of step() after a training pass of ``layers`` Linears: every weight cached, and none."""
-    import gc
-    import warnings
-
     manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
     model = [ss.nn.Linear(4, 4, manager=manager, name=f"l{i}") for i in range(layers)]
     x = torch.randn(2, 4)

@@ -247,7 +247,7 @@ class Caster:
             if kind is CastKind.RECORD and self._stats:
                 st.add_counts(slot, *self._counts(slot, x, q, shard))
             return q
-        # Eager casts reuse views made once; compiled code derives them from the buffers itself.
+        # Eager casts reuse views made once; compiled code reads through the row's index tensor (RowViews).
         scale, acc = st.read_row(slot) if compiling else st.views_of(slot)
         record = acc if kind is CastKind.RECORD else None
         q = self._run(slot, x, transpose, scale, record, shard, compiling=compiling)

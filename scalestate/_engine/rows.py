@@ -19,6 +19,12 @@ from scalestate.backends.base import CastSpec
 __all__ = ["RowViews"]
 
 
+def _indexed(spec: CastSpec) -> bool:
+    """Whether compiled code reads a row of ``spec`` through its index tensor: per-tensor specs only
+    (inductor 2.13 fails to generate some block casts given an indexed scale; the others read views)."""
+    return spec.granularity is None
+
+
 class RowViews:
     """Each row's index tensor (made with the buffers) and its eager views (made on first use)."""
 
@@ -39,22 +45,21 @@ class RowViews:
         return self._index[row]
 
     def read(self, row: int, spec: CastSpec, scales: Tensor, step_amax: Tensor) -> tuple[Tensor, Tensor]:
-        """Compiled code: ``row``'s scale and accumulator, 0-d. Per-tensor specs read copies through the
-        row's index (:meth:`write` stores the accumulator back); the others take views (inductor 2.13
-        fails to generate some block casts given an indexed scale)."""
-        if spec.granularity is not None:
+        """Compiled code: ``row``'s scale and accumulator, 0-d: copies read through the row's index
+        (:meth:`write` stores the accumulator back), or views where the spec is not indexed."""
+        if not _indexed(spec):
             return scales[row], step_amax[row]
         index = self._index[row]
         return scales.index_select(0, index).reshape(()), step_amax.index_select(0, index).reshape(())
 
     def write(self, row: int, spec: CastSpec, step_amax: Tensor, value: Tensor) -> None:
         """Compiled code: store an accumulator :meth:`read` returned (a view needs nothing)."""
-        if spec.granularity is None:
+        if _indexed(spec):
             step_amax.index_copy_(0, self._index[row], value.reshape(1))
 
     def newest(self, row: int, spec: CastSpec, history: Tensor) -> Tensor:
         """Compiled code: ``row``'s newest history entry, 0-d, read as :meth:`read` reads."""
-        if spec.granularity is not None:
+        if not _indexed(spec):
             return history[row, -1]
         return history.index_select(0, self._index[row])[0, -1]
 
