@@ -75,7 +75,7 @@ def checkpointer(mechanism: str, manager: ss.ScalingStateManager | None = None) 
     """Wrap a module so its forward is checkpointed by ``mechanism``."""
 
     def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> tcp.CheckpointPolicy:
-        saved = (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
+        saved = (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default, torch.ops.aten._scaled_mm_v2.default)
         return tcp.CheckpointPolicy.MUST_SAVE if op in saved else tcp.CheckpointPolicy.PREFER_RECOMPUTE
 
     calls: dict[str, Callable[..., Tensor]] = {

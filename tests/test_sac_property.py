@@ -43,14 +43,19 @@ from sac_programs import (
     forward_ops,
     run,
 )
+from scalestate.backends.scaled_mm.capability import cpu_runs_functional
 
 EXAMPLES = 200
+
+#: The scaled_mm backend's product on CPU: torch.nn.functional.scaled_mm where torch has its CPU kernel
+#: (tensor-wise and row-wise), else torch._scaled_mm.
+SCALED_MM_OPS = ("aten._scaled_mm_v2.default",) if cpu_runs_functional() else ("aten._scaled_mm.default",)
 
 #: Ops of the casts and products, drawn more often than the rest.
 CAST_OPS = (
     "aten.abs.default", "aten.amax.default", "aten.mul.Tensor", "aten.div.Tensor", "aten.clamp.default",
     "aten.view.default", "aten._to_copy.default", "aten.linalg_vector_norm.default", "aten.mm.default",
-    "aten._scaled_mm.default", "aten._scaled_mm_v2.default", "aten.reciprocal.default", "aten.t.default",
+    *SCALED_MM_OPS, "aten.reciprocal.default", "aten.t.default",
 )
 
 
@@ -160,8 +165,7 @@ class TestDrawnOps:
         ops = set(forward_ops())
         needed = {
             "aten.abs.default", "aten.amax.default", "aten.mul.Tensor", "aten.clamp.default", "aten.view.default",
-            "aten._to_copy.default", "aten.linalg_vector_norm.default", "aten.mm.default",
-            "aten._scaled_mm.default", "aten._scaled_mm_v2.default",
+            "aten._to_copy.default", "aten.linalg_vector_norm.default", "aten.mm.default", *SCALED_MM_OPS,
         }
         assert needed <= ops, sorted(needed - ops)
 

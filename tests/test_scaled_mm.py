@@ -1,13 +1,15 @@
-"""scalestate.backends.scaled_mm: FP8 products through torch._scaled_mm."""
+"""scalestate.backends.scaled_mm: per-tensor FP8 products through torch's scaled-matmul kernels."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from scalestate.backends import CastRequest, CastSpec, resolve_backend
 from scalestate.backends.emulation import EmulationBackend
 from scalestate.backends.scaled_mm import ScaledMMBackend
+from scalestate.backends.scaled_mm.capability import cpu_runs_functional
 from scalestate.backends.scaled_mm.layout import tensorwise_operands
 from scalestate.errors import BackendUnavailableError
 from scalestate.quantized import Quantized
@@ -18,6 +20,73 @@ E5M2 = CastSpec(torch.float8_e5m2, 57344.0)
 
 def cast(x, spec=E4M3, transpose=False) -> Quantized:
     return EmulationBackend().cast(CastRequest(x, spec, torch.tensor(1.0), True, None, transpose))
+
+
+@pytest.mark.skipif(not cpu_runs_functional(), reason="this torch has no CPU kernel of F.scaled_mm (torch < 2.13)")
+class TestPerTensorOnCPU:
+    """On CPU, per-tensor products take torch.nn.functional.scaled_mm: the emulation's bits."""
+
+    @pytest.mark.parametrize("shape", [(1, 1, 1), (33, 17, 65), (64, 128, 32), (100, 200, 60), (512, 512, 512)])
+    @pytest.mark.parametrize("formats", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2), (E5M2, E5M2)])
+    @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("with_bias", [False, True])
+    def test_bitwise_the_emulation(self, shape, formats, out_dtype, with_bias):
+        """Every shape, pair of formats, output dtype and bias: torch.equal to the emulation's product."""
+        m, k, n = shape
+        torch.manual_seed(m + k + n)
+        qa = cast(torch.randn(m, k) * 30, formats[0])
+        qb = cast(torch.randn(n, k) / 7, formats[1], transpose=True)
+        bias = torch.randn(n, dtype=out_dtype) if with_bias else None
+        ref = EmulationBackend().scaled_mm(qa, qb.t(), out_dtype=out_dtype, bias=bias)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "_scaled_mm", _refuse)  # the slow CPU kernel must not be reached
+            got = ScaledMMBackend().scaled_mm(qa, qb.t(), out_dtype=out_dtype, bias=bias)
+        assert got.dtype == out_dtype
+        assert torch.equal(got, ref)
+
+    def test_through_a_manager(self):
+        """A Linear on the scaled_mm backend: outputs and gradients bitwise the emulation backend's."""
+        import scalestate as ss
+
+        results = []
+        for backend in ("emulation", "scaled_mm"):
+            torch.manual_seed(0)
+            manager = ss.ScalingStateManager(ss.DelayedScaling(), backend=backend, device="cpu")
+            layer = ss.nn.Linear(48, 40, manager=manager, name="fc")
+            x = torch.randn(24, 48, requires_grad=True)
+            for _ in range(2):
+                out = layer(x)
+                out.square().sum().backward()
+                manager.step()
+            results.append((out, x.grad, layer.weight.grad))
+        for want, got in zip(*results, strict=True):
+            assert torch.equal(got, want)
+
+    def test_older_torch_takes_the_per_tensor_kernel(self, monkeypatch):
+        """Without the functional CPU kernel (torch before 2.13), torch._scaled_mm multiplies: within
+        the float32 summation bound of the emulation."""
+        import scalestate.backends.scaled_mm.capability as module
+
+        monkeypatch.setattr(module, "cpu_runs_functional", lambda: False)
+        backend = ScaledMMBackend()
+        assert "torch._scaled_mm" in backend.available(torch.device("cpu"))[1]
+        qa, qb = cast(torch.randn(16, 32)), cast(torch.randn(8, 32))
+        calls = []
+        real = torch._scaled_mm
+
+        def spy(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "_scaled_mm", spy)
+        got = backend.scaled_mm(qa, qb.t(), out_dtype=torch.float32)
+        ref = EmulationBackend().scaled_mm(qa, qb.t(), out_dtype=torch.float32)
+        assert calls == [1]
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("torch._scaled_mm was called")
 
 
 class TestScaledMM:
@@ -45,14 +114,15 @@ class TestScaledMM:
         want = ScaledMMBackend().scaled_mm(cast(g), cast(w), out_dtype=torch.float32)
         qg, qw = cast(g, transpose=True), cast(w, transpose=True)
         seen = []
-        real = torch._scaled_mm
+        owner, entry = (F, "scaled_mm") if cpu_runs_functional() else (torch, "_scaled_mm")
+        real = getattr(owner, entry)
 
         def spy(a, b, *args, **kwargs):
             seen.append(b)
             return real(a, b, *args, **kwargs)
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(torch, "_scaled_mm", spy)
+            mp.setattr(owner, entry, spy)
             assert torch.equal(ScaledMMBackend().scaled_mm(qg, qw, out_dtype=torch.float32), want)
         assert qw.transposed is not None and seen[0].data_ptr() == qw.transposed.data_ptr()
 
@@ -60,6 +130,7 @@ class TestScaledMM:
         """Available on CPU in this torch, with a reason naming it."""
         ok, reason = ScaledMMBackend().available(torch.device("cpu"))
         assert ok and "CPU" in reason
+        assert ("torch.nn.functional.scaled_mm" in reason) == cpu_runs_functional()
 
     def test_wants_transposed(self):
         """Its products take row-major times column-major operands, so modules ask for copies."""

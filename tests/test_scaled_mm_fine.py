@@ -143,7 +143,7 @@ class TestRowwiseOnCPU:
         the row and column scales are applied to its float32 result: also within the bound."""
         import scalestate.backends.scaled_mm.capability as module
 
-        monkeypatch.setattr(module, "cpu_runs_rowwise", lambda: False)
+        monkeypatch.setattr(module, "cpu_runs_functional", lambda: False)
         a, b = operands("rowwise", 33, 300, 17)
         bias = torch.randn(17)
         got = ScaledMMBackend().scaled_mm(a, b, out_dtype=torch.float32, bias=bias)

@@ -160,7 +160,7 @@ class ScaledMMBackend(EmulationBackend):
                 and self._fallback == "emulation"
             ):
                 return super().scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
-            return tensorwise(a, b, out_dtype, bias)
+            return tensorwise(a, b, out_dtype, bias, cpu_functional=self._probe.cpu_functional)
         m, k = a.data.shape
         n = b.data.shape[1]
         if m == 0 or n == 0 or k == 0:  # nothing to multiply: zeros (and the bias), exactly
@@ -172,7 +172,7 @@ class ScaledMMBackend(EmulationBackend):
                 return super().scaled_mm(a, b, out_dtype=out_dtype, bias=bias)
             raise BackendUnavailableError(f"{reason}. Use {_ALTERNATIVES}")
         if pair == (ROW, ROW):
-            return rowwise(a, b, out_dtype, bias, cpu_rowwise=self._probe.cpu_rowwise)
+            return rowwise(a, b, out_dtype, bias, cpu_functional=self._probe.cpu_functional)
         return blockwise(pair, a, b, out_dtype, bias)
 
     def _choose(self, a: Quantized, b: Quantized, device: torch.device) -> tuple[Pair | None, str]:

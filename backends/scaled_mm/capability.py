@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 from scalestate.backends.scaled_mm.kinds import MX, ROW, Pair, kind_label
 
-__all__ = ["Probe", "cpu_runs_rowwise", "default_device", "device_label", "has_functional_scaled_mm"]
+__all__ = ["Probe", "cpu_runs_functional", "default_device", "device_label", "has_functional_scaled_mm"]
 
-#: The first torch whose CPU kernel was measured here to run row-wise products (torch 2.13).
-_CPU_ROWWISE_TORCH = (2, 13)
+#: The first torch whose CPU kernel of ``torch.nn.functional.scaled_mm`` was measured here to run
+#: tensor-wise and row-wise products (torch 2.13).
+_CPU_FUNCTIONAL_TORCH = (2, 13)
 _BLOCK_WHERE = "an sm90 GPU (Hopper) with torch built for CUDA 12.9+ (cuBLASLt block scaling)"
 _MX_WHERE = "an sm100+ GPU (Blackwell)"
 
@@ -27,8 +28,9 @@ class Probe:
     def __init__(self) -> None:
         self._cpu: tuple[bool, str] | None = None
         self._capabilities: dict[torch.device, tuple[int, int]] = {}
-        #: Whether this torch's CPU kernel takes row-wise scales (asked of the dispatcher, once).
-        self.cpu_rowwise = cpu_runs_rowwise()
+        #: Whether this torch's CPU kernel of ``torch.nn.functional.scaled_mm`` takes tensor-wise and
+        #: row-wise scales (asked of the dispatcher, once).
+        self.cpu_functional = cpu_runs_functional()
 
     def available(self, device: torch.device) -> tuple[bool, str]:
         """Whether ``torch._scaled_mm`` runs on ``device``, and why."""
@@ -44,6 +46,8 @@ class Probe:
         if device.type == "cpu":
             if self._cpu is None:
                 self._cpu = _probe_cpu()
+                if self._cpu[0] and self.cpu_functional:
+                    self._cpu = True, f"torch.nn.functional.scaled_mm on CPU (torch {torch.__version__})"
             return self._cpu
         return False, f"torch._scaled_mm is not supported on {device.type} here"
 
@@ -136,9 +140,10 @@ def _cuda_version() -> tuple[int, int]:
     return int(major), int(minor.partition(".")[0] or 0)
 
 
-def cpu_runs_rowwise() -> bool:
-    """Whether this torch's CPU kernel takes row-wise scales (measured in torch 2.13), asked of the dispatcher."""
-    if not has_functional_scaled_mm() or _torch_version() < _CPU_ROWWISE_TORCH:
+def cpu_runs_functional() -> bool:
+    """Whether this torch's CPU kernel of ``torch.nn.functional.scaled_mm`` (``aten::_scaled_mm_v2``) takes
+    tensor-wise and row-wise scales (measured in torch 2.13), asked of the dispatcher."""
+    if not has_functional_scaled_mm() or _torch_version() < _CPU_FUNCTIONAL_TORCH:
         return False
     has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
     return has_kernel is not None and bool(has_kernel("aten::_scaled_mm_v2", "CPU"))

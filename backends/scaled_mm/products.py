@@ -18,11 +18,19 @@ from scalestate.backends.scaled_mm.kinds import Pair
 from scalestate.backends.scaled_mm.layout import block_args, nvfp4_args, padded, rowwise_args, tensorwise_operands
 from scalestate.quantized import Quantized
 
-__all__ = ["blockwise", "finish", "rowwise", "tensorwise"]
+__all__ = ["blockwise", "cpu_scaled_mm", "finish", "rowwise", "tensorwise"]
 
 
-def tensorwise(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
-    """The per-tensor product through ``torch._scaled_mm``."""
+def tensorwise(
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | None, *, cpu_functional: bool
+) -> Tensor:
+    """The per-tensor product: on CPU where ``cpu_functional``, ``torch.nn.functional.scaled_mm`` with
+    ``ScalingType.TensorWise`` in float32 and the bias added afterwards (the emulation's bits, and
+    hundreds of times faster than ``torch._scaled_mm``'s CPU kernel on CPUs without native FP8
+    arithmetic); elsewhere ``torch._scaled_mm``."""
+    if not a.data.is_cuda and cpu_functional:
+        a_data, b_data = tensorwise_operands(a, b, pad=False)
+        return finish(cpu_scaled_mm(a_data, b_data, a.scale_inv, b.scale_inv, rowwise=False), out_dtype, bias)
     n = b.data.shape[1]
     fuse_bias = bias is not None and bias.dtype == out_dtype
     a_data, b_data = tensorwise_operands(a, b, pad=a.data.is_cuda)
@@ -46,20 +54,17 @@ def tensorwise(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor 
 
 
 def rowwise(
-    a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | None, *, cpu_rowwise: bool
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | None, *, cpu_functional: bool
 ) -> Tensor:
     """A product of row-wise scaled operands: the row-wise kernel where it takes the output dtype
-    (on CPU where ``cpu_rowwise``), else the per-tensor kernel on the data and the scales applied
+    (on CPU where ``cpu_functional``), else the per-tensor kernel on the data and the scales applied
     to its float32 result."""
     m, n = a.data.shape[0], b.data.shape[1]
     sa = a.scale_inv.float().reshape(-1).view(m, 1)  # fresh strides (size-1 dims keep odd ones)
     sb = b.scale_inv.float().reshape(-1).view(1, n)
     cuda = a.data.is_cuda
-    if not cuda and cpu_rowwise:
-        out = F.scaled_mm(
-            a.data, b.data, sa, F.ScalingType.RowWise, sb, F.ScalingType.RowWise, output_dtype=torch.float32
-        )
-        return finish(out, out_dtype, bias)
+    if not cuda and cpu_functional:
+        return finish(cpu_scaled_mm(a.data, b.data, sa, sb, rowwise=True), out_dtype, bias)
     fuse = bias is None or bias.dtype == torch.bfloat16
     if cuda and out_dtype == torch.bfloat16 and fuse and has_functional_scaled_mm():
         args, kwargs = rowwise_args(a, b, bias)
@@ -96,6 +101,34 @@ def nvfp4(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | Non
     if out.shape != (m, n):
         out = out[:m, :n]
     return out if bias is None else finish(out, out_dtype, bias)
+
+
+def cpu_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, *, rowwise: bool) -> Tensor:
+    """``torch.nn.functional.scaled_mm`` on CPU, tensor-wise or row-wise, in float32.
+
+    Eager code calls it directly (selective checkpointing sees
+    ``aten._scaled_mm_v2``). Compiled code calls it through the opaque
+    ``scalestate::cpu_scaled_mm``: Inductor lowers ``aten._scaled_mm_v2`` to
+    ``torch._scaled_mm``, whose CPU kernel is another (and, without native FP8
+    arithmetic, hundreds of times slower) summation, so compiled products
+    would not keep eager's bits.
+    """
+    if torch.compiler.is_compiling():
+        out: Tensor = torch.ops.scalestate.cpu_scaled_mm(a, b, scale_a, scale_b, rowwise)
+        return out
+    st = F.ScalingType.RowWise if rowwise else F.ScalingType.TensorWise
+    return F.scaled_mm(a, b, scale_a, st, scale_b, st, output_dtype=torch.float32)
+
+
+@torch.library.custom_op("scalestate::cpu_scaled_mm", mutates_args=())
+def _cpu_scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, rowwise: bool) -> Tensor:
+    st = F.ScalingType.RowWise if rowwise else F.ScalingType.TensorWise
+    return F.scaled_mm(a, b, scale_a, st, scale_b, st, output_dtype=torch.float32)
+
+
+@_cpu_scaled_mm_op.register_fake
+def _(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, rowwise: bool) -> Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
 
 
 def finish(out: Tensor, out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
