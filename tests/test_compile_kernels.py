@@ -55,3 +55,40 @@ def test_identical_layers_share_kernels(recipe: ss.Recipe) -> None:
     model, manager, x = _model(6, recipe)
     model(x).sum().backward()
     assert torch.equal(recorded, manager.buffers()["step_amax"])
+
+
+def _grouped(layers: int) -> tuple[torch.nn.ModuleList, ss.ScalingStateManager, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    manager = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend="emulation")
+    experts = torch.nn.ModuleList(ss.nn.GroupedLinear(4, 32, 32, manager=manager, name=f"g{i}") for i in range(layers))
+    return experts, manager, torch.randn(16, 32, requires_grad=True), torch.tensor([5, 0, 7, 4])
+
+
+def _run_grouped(experts: torch.nn.ModuleList, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    for layer in experts:
+        x = layer(x, sizes)
+    return x
+
+
+def _grouped_kernel_sources(layers: int) -> tuple[set[str], int, torch.Tensor]:
+    """As :func:`_kernel_sources`, for a stack of GroupedLinear layers on the device-size path."""
+    torch._dynamo.reset()
+    experts, manager, x, sizes = _grouped(layers)
+    compiled = torch.compile(_run_grouped, fullgraph=True)
+    _, codes = run_and_get_code(lambda: compiled(experts, x, sizes).sum().backward())
+    assert len(codes) == 2, "expected one forward and one backward graph"
+    sources = {source for code in codes for source in _KERNEL.findall(code)}
+    return sources, sum(len(_CALL.findall(code)) for code in codes), manager.buffers()["step_amax"]
+
+
+def test_identical_grouped_layers_share_kernels() -> None:
+    """Grouped layers with the sizes on the device index their slots' rows through the rows' own index
+    tensors: a stack one layer deeper compiles no new kernel (a literal list of rows, a constant of
+    each layer's graph, gave every layer kernels of its own)."""
+    five, five_calls, _ = _grouped_kernel_sources(5)
+    six, six_calls, recorded = _grouped_kernel_sources(6)
+    assert six_calls > five_calls, "more layers make more kernel calls"
+    assert len(six) == len(five), f"{len(five)} distinct kernels for 5 grouped layers, {len(six)} for 6"
+    experts, manager, x, sizes = _grouped(6)
+    _run_grouped(experts, x, sizes).sum().backward()
+    assert torch.equal(recorded, manager.buffers()["step_amax"])

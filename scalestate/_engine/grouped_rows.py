@@ -51,7 +51,9 @@ def cast_rows(caster: Caster, slots: Sequence[Slot], x: Tensor, counts: Tensor, 
     st = caster._state
     backend = caster._binding.backend
     assert isinstance(backend, SupportsDeviceGroups)
-    rows = torch.tensor([slot.row for slot in slots], device=st.device)
+    # the slots' own index tensors, inputs of the graph: a literal list would be a constant of each
+    # layer's graph, and identical layers would not share their compiled kernels
+    rows = torch.cat([st.row_index(slot) for slot in slots])
     jit = caster.group_jit(slots, compiling=True)
     recording = caster._kind(slots[0], False, True) is CastKind.RECORD  # one phase, one role: every slot's kind
     record = torch.zeros(len(slots), dtype=torch.float32, device=st.device) if recording else None

@@ -242,6 +242,10 @@ class State:
         """Compiled code: ``slot``'s scale and accumulator (see RowViews.read)."""
         return self._rows.read(slot.row, slot.spec, self._scales, self._step_amax)
 
+    def row_index(self, slot: Slot) -> Tensor:
+        """``[1]`` int64 tensor of ``slot``'s row: compiled code indexes with it (a graph input, not a constant)."""
+        return self._rows.index(slot.row)
+
     def write_accumulator(self, slot: Slot, value: Tensor) -> None:
         """Compiled code: store an accumulator read by :meth:`read_row`."""
         self._rows.write(slot.row, slot.spec, self._step_amax, value)
