@@ -12,7 +12,7 @@ from scalestate.backends.scaled_mm import ScaledMMBackend
 from scalestate.backends.scaled_mm.capability import cpu_runs_functional
 from scalestate.backends.scaled_mm.layout import tensorwise_operands
 from scalestate.errors import BackendUnavailableError
-from scalestate.quantized import Quantized
+from scalestate.quantized import Orientation, Quantized
 
 E4M3 = CastSpec(torch.float8_e4m3fn, 448.0)
 E5M2 = CastSpec(torch.float8_e5m2, 57344.0)
@@ -22,30 +22,57 @@ def cast(x, spec=E4M3, transpose=False) -> Quantized:
     return EmulationBackend().cast(CastRequest(x, spec, torch.tensor(1.0), True, None, transpose))
 
 
+def _laid_out(x: torch.Tensor, spec: CastSpec, layout: str) -> Quantized:
+    """``x`` cast, its data row-major (``"row"``) or the transposed view of a row-major cast (``"col"``)."""
+    return cast(x.t().contiguous(), spec).t() if layout == "col" else cast(x, spec)
+
+
+def _row_major(q: Quantized) -> Quantized:
+    """The same values with their data laid out row-major."""
+    return Quantized.of(Orientation(q.data.contiguous(), q.scale, q.scale_inv))
+
+
 @pytest.mark.skipif(not cpu_runs_functional(), reason="this torch has no CPU kernel of F.scaled_mm (torch < 2.13)")
 class TestPerTensorOnCPU:
-    """On CPU, per-tensor products take torch.nn.functional.scaled_mm: the emulation's bits."""
+    """On CPU, per-tensor products take torch.nn.functional.scaled_mm: it dequantizes both operands into
+    row-major float32 and multiplies them, which is the emulation's product of row-major operands."""
 
-    @pytest.mark.parametrize("shape", [(1, 1, 1), (33, 17, 65), (64, 128, 32), (100, 200, 60), (512, 512, 512)])
+    @pytest.mark.parametrize(
+        "shape", [(1, 1, 1), (1, 64, 48), (2, 64, 48), (33, 17, 65), (64, 128, 32), (100, 200, 60), (512, 512, 512)]
+    )
     @pytest.mark.parametrize("formats", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2), (E5M2, E5M2)])
+    @pytest.mark.parametrize("layouts", ["row-col", "row-row", "col-col"])
     @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("with_bias", [False, True])
-    def test_bitwise_the_emulation(self, shape, formats, out_dtype, with_bias):
-        """Every shape, pair of formats, output dtype and bias: torch.equal to the emulation's product."""
+    def test_bitwise_the_emulation_of_row_major_operands(self, shape, formats, layouts, out_dtype, with_bias):
+        """Every shape (one or two rows too), pair of formats, operand layout, output dtype and bias:
+        torch.equal to the emulation's product of the same operands laid out row-major."""
         m, k, n = shape
         torch.manual_seed(m + k + n)
-        qa = cast(torch.randn(m, k) * 30, formats[0])
-        qb = cast(torch.randn(n, k) / 7, formats[1], transpose=True)
+        a_layout, b_layout = layouts.split("-")
+        qa = _laid_out(torch.randn(m, k) * 30, formats[0], a_layout)
+        qb = _laid_out(torch.randn(k, n) / 7, formats[1], b_layout)
         bias = torch.randn(n, dtype=out_dtype) if with_bias else None
-        ref = EmulationBackend().scaled_mm(qa, qb.t(), out_dtype=out_dtype, bias=bias)
+        ref = EmulationBackend().scaled_mm(_row_major(qa), _row_major(qb), out_dtype=out_dtype, bias=bias)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch, "_scaled_mm", _refuse)  # the slow CPU kernel must not be reached
-            got = ScaledMMBackend().scaled_mm(qa, qb.t(), out_dtype=out_dtype, bias=bias)
+            got = ScaledMMBackend().scaled_mm(qa, qb, out_dtype=out_dtype, bias=bias)
         assert got.dtype == out_dtype
         assert torch.equal(got, ref)
 
+    @pytest.mark.parametrize("shape", [(3, 64, 48), (33, 17, 65), (512, 512, 512)])
+    def test_bitwise_the_emulation_from_three_rows(self, shape):
+        """Measured here: with three rows or more, the emulation's product of a column-major second operand
+        (which it multiplies as laid out) has the same bits too; with one or two, torch.mm sums it in
+        another order (the test above compares those with row-major operands)."""
+        m, k, n = shape
+        qa, qb = cast(torch.randn(m, k) * 30), cast(torch.randn(n, k) / 7).t()
+        want = EmulationBackend().scaled_mm(qa, qb, out_dtype=torch.float32)
+        assert torch.equal(ScaledMMBackend().scaled_mm(qa, qb, out_dtype=torch.float32), want)
+
     def test_through_a_manager(self):
-        """A Linear on the scaled_mm backend: outputs and gradients bitwise the emulation backend's."""
+        """A Linear on the scaled_mm backend (every product of three rows or more): outputs and gradients
+        bitwise the emulation backend's."""
         import scalestate as ss
 
         results = []
@@ -108,13 +135,15 @@ class TestScaledMM:
         torch.testing.assert_close(ScaledMMBackend().scaled_mm(qa, qb, out_dtype=torch.float32), ref)
 
     def test_transposed_copies_give_the_same_product(self):
-        """Operands with transposed copies multiply to the same bits; a row-major second
-        operand is taken from its copy, not copied again."""
+        """Operands with transposed copies multiply to the same bits; a row-major second operand is
+        taken from its copy where the kernel wants column-major (torch._scaled_mm), and as it is where
+        any layout does (F.scaled_mm on CPU): never copied again."""
         g, w = torch.randn(16, 8), torch.randn(8, 32)
         want = ScaledMMBackend().scaled_mm(cast(g), cast(w), out_dtype=torch.float32)
         qg, qw = cast(g, transpose=True), cast(w, transpose=True)
         seen = []
-        owner, entry = (F, "scaled_mm") if cpu_runs_functional() else (torch, "_scaled_mm")
+        functional = cpu_runs_functional()
+        owner, entry = (F, "scaled_mm") if functional else (torch, "_scaled_mm")
         real = getattr(owner, entry)
 
         def spy(a, b, *args, **kwargs):
@@ -124,7 +153,8 @@ class TestScaledMM:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(owner, entry, spy)
             assert torch.equal(ScaledMMBackend().scaled_mm(qg, qw, out_dtype=torch.float32), want)
-        assert qw.transposed is not None and seen[0].data_ptr() == qw.transposed.data_ptr()
+        assert qw.transposed is not None
+        assert seen[0].data_ptr() == (qw.data if functional else qw.transposed).data_ptr()
 
     def test_cpu_availability_reason(self):
         """Available on CPU in this torch, with a reason naming it."""
@@ -133,8 +163,10 @@ class TestScaledMM:
         assert ("torch.nn.functional.scaled_mm" in reason) == cpu_runs_functional()
 
     def test_wants_transposed(self):
-        """Its products take row-major times column-major operands, so modules ask for copies."""
-        assert ScaledMMBackend().wants_transposed(torch.device("cpu"))
+        """Its CUDA products take row-major times column-major operands, so modules ask for copies there;
+        on a CPU where F.scaled_mm takes them, any layout does, and no copies are made."""
+        assert ScaledMMBackend().wants_transposed(torch.device("cuda"))
+        assert ScaledMMBackend().wants_transposed(torch.device("cpu")) == (not cpu_runs_functional())
         assert not EmulationBackend().wants_transposed(torch.device("cpu"))
 
     def test_cuda_layout(self):

@@ -5,7 +5,9 @@ exact); only the matrix product changes.
 
 Per-tensor products go through ``torch._scaled_mm``, except on CPU in torch
 2.13+, where ``torch.nn.functional.scaled_mm`` with ``ScalingType.TensorWise``
-takes them: the emulation's bits, where ``torch._scaled_mm``'s CPU kernel is
+takes them (it dequantizes both operands into row-major float32 and multiplies
+them: the emulation's product of row-major operands, bit for bit, and the
+casts need no transposed copies), where ``torch._scaled_mm``'s CPU kernel is
 hundreds of times slower on CPUs without native FP8 arithmetic (512 ms
 against 1.1 ms for one 256³ product, measured on an AVX-512 Xeon) and sums
 in another order. On CUDA ``torch._scaled_mm`` needs an

@@ -120,10 +120,12 @@ class ScaledMMBackend(EmulationBackend):
         return False, f"{name} cannot run in torch's kernels on {where}: {why}. Use {_ALTERNATIVES}"
 
     def wants_transposed(self, device: torch.device) -> bool:
-        """True: FP8 operands go in as row-major times column-major (cuBLASLt's rule on CUDA,
-        and the compiler's for ``torch._scaled_mm`` everywhere). Fine-grained operands are
-        laid out inside :meth:`scaled_mm`."""
-        return True
+        """Whether FP8 operands go in as row-major times column-major: cuBLASLt's rule on CUDA, and
+        the compiler's for ``torch._scaled_mm``. Not on a CPU where ``torch.nn.functional.scaled_mm``
+        takes the products: it makes its dequantized operands contiguous itself, so any layout gives
+        the same bits, and the casts make no transposed copies there. Fine-grained operands are laid
+        out inside :meth:`scaled_mm`."""
+        return device.type != "cpu" or not self._probe.cpu_functional
 
     def grouped_products(self, device: torch.device) -> bool:
         """False: the products are torch's scaled-matmul kernels, one per group (compiled grouped layers

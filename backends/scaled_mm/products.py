@@ -25,12 +25,12 @@ def tensorwise(
     a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: Tensor | None, *, cpu_functional: bool
 ) -> Tensor:
     """The per-tensor product: on CPU where ``cpu_functional``, ``torch.nn.functional.scaled_mm`` with
-    ``ScalingType.TensorWise`` in float32 and the bias added afterwards (the emulation's bits, and
-    hundreds of times faster than ``torch._scaled_mm``'s CPU kernel on CPUs without native FP8
-    arithmetic); elsewhere ``torch._scaled_mm``."""
-    if not a.data.is_cuda and cpu_functional:
-        a_data, b_data = tensorwise_operands(a, b, pad=False)
-        return finish(cpu_scaled_mm(a_data, b_data, a.scale_inv, b.scale_inv, rowwise=False), out_dtype, bias)
+    ``ScalingType.TensorWise`` in float32 and the bias added afterwards (the emulation's product of
+    row-major operands, bit for bit, in any layout, and hundreds of times faster than
+    ``torch._scaled_mm``'s CPU kernel on CPUs without native FP8 arithmetic); elsewhere
+    ``torch._scaled_mm``."""
+    if not a.data.is_cuda and cpu_functional:  # any layout: no copies
+        return finish(cpu_scaled_mm(a.data, b.data, a.scale_inv, b.scale_inv, rowwise=False), out_dtype, bias)
     n = b.data.shape[1]
     fuse_bias = bias is not None and bias.dtype == out_dtype
     a_data, b_data = tensorwise_operands(a, b, pad=a.data.is_cuda)
