@@ -37,6 +37,9 @@ class EmulationBackend:
     """Reference backend: pure torch, any device."""
 
     name = "emulation"
+    #: Whether :meth:`grouped_scaled_mm` multiplies row-major copies of each group's operands (the bits of a
+    #: product that makes them, as ``torch.nn.functional.scaled_mm`` on CPU), not the operands as laid out.
+    _row_major_groups = False
 
     def __init__(self) -> None:
         self._e4m3_tables: dict[torch.device, Tensor] = {}
@@ -111,7 +114,8 @@ class EmulationBackend:
         self, a: GroupedOperand, b: GroupedOperand, offsets: Tensor, *, out_dtype: torch.dtype
     ) -> Tensor:
         """Dequantize both operands, multiply each group in float32 (``scalestate::grouped_mm``), cast."""
-        out: Tensor = torch.ops.scalestate.grouped_mm(_dequantized(a), _dequantized(b), offsets)
+        dequantized = _dequantized(a), _dequantized(b)
+        out: Tensor = torch.ops.scalestate.grouped_mm(*dequantized, offsets, self._row_major_groups)
         return out if out_dtype == torch.float32 else out.to(out_dtype)
 
     def _cast_fine(self, request: CastRequest) -> Quantized:
@@ -234,25 +238,30 @@ def _chosen(request: CastRequest | GroupedCastRequest, own: Callable[[], Tensor]
 
 
 @torch.library.custom_op("scalestate::grouped_mm", mutates_args=())
-def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False) -> Tensor:
     """Each group's ``torch.mm``, grouped as ``torch.nn.functional.grouped_mm`` groups (see
     :meth:`SupportsDeviceGroups.grouped_scaled_mm <scalestate.backends.SupportsDeviceGroups.grouped_scaled_mm>`),
-    on any dtype and device, with the bits of ``torch.mm`` on each group's slices. An operator of its own, so
-    that compiled code keeps the sizes on the device (torch's own refuses float32 while tracing); its
-    ``ends`` are read on the host when it runs."""
+    on any dtype and device, with the bits of ``torch.mm`` on each group's slices (with ``row_major``, on
+    row-major copies of them, as ``torch.nn.functional.scaled_mm`` multiplies on CPU). An operator of its
+    own, so that compiled code keeps the sizes on the device (torch's own refuses float32 while tracing);
+    its ``ends`` are read on the host when it runs."""
     ends: list[int] = offsets.tolist()
     starts = [0, *ends[:-1]]
+
+    def mm(x: Tensor, y: Tensor) -> Tensor:
+        return torch.mm(x.contiguous(), y.contiguous()) if row_major else torch.mm(x, y)
+
     if b.dim() == 3:  # rows of a by group, each times b[g]
-        parts = [torch.mm(a[s:e], b[g]) for g, (s, e) in enumerate(zip(starts, ends, strict=True)) if e > s]
+        parts = [mm(a[s:e], b[g]) for g, (s, e) in enumerate(zip(starts, ends, strict=True)) if e > s]
         tail = a.shape[0] - (ends[-1] if ends else 0)
         if tail:
             parts.append(a.new_zeros((tail, b.shape[-1])))
         return torch.cat(parts) if parts else a.new_zeros((a.shape[0], b.shape[-1]))
-    return torch.stack([torch.mm(a[:, s:e], b[s:e]) for s, e in zip(starts, ends, strict=True)])
+    return torch.stack([mm(a[:, s:e], b[s:e]) for s, e in zip(starts, ends, strict=True)])
 
 
 @grouped_mm.register_fake
-def _(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+def _(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False) -> Tensor:
     if b.dim() == 3:
         return a.new_empty((a.shape[0], b.shape[-1]))
     return a.new_empty((offsets.shape[0], a.shape[0], b.shape[1]))

@@ -12,6 +12,7 @@ from scalestate.backends import CastRequest, GroupedCastRequest, GroupedOperand,
 from scalestate.backends.base import cast_spec
 from scalestate.backends.emulation import EmulationBackend
 from scalestate.backends.scaled_mm import ScaledMMBackend
+from scalestate.backends.scaled_mm.capability import cpu_runs_functional
 from scalestate.quantized import Orientation
 from scalestate.testing import TinyLM, assert_same
 
@@ -40,13 +41,14 @@ def _run(
     fullgraph: bool = True,
     microbatches: int = 1,
     checkpoint: bool = False,
+    backend: str = "emulation",
 ) -> tuple[list, int]:
     """Train a GroupedLinear over SIZES (sizes as tensors), compiled with ``compiler`` or eager (``None``):
     (outputs, gradients and state after every step, number of compiled frames). ``microbatches``: passes
     per step, the later ones with the step's sizes reversed; ``checkpoint``: the layer is checkpointed."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    manager = ss.ScalingStateManager(recipe, backend="emulation")
+    manager = ss.ScalingStateManager(recipe, backend=backend)
     layer = ss.nn.GroupedLinear(E, IN, OUT, bias=bias, manager=manager, name="moe")
     model = _Checkpointed(layer) if checkpoint else layer
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
@@ -88,6 +90,19 @@ def test_compiles_once_for_every_routing(recipe: ss.Recipe, compiler: str) -> No
     want, _ = _run(recipe, None)
     assert frames == 1
     assert_same(got, want, name=f"compiled ({compiler}) vs eager")
+
+
+@pytest.mark.skipif(not cpu_runs_functional(), reason="this torch has no CPU kernel of F.scaled_mm (torch < 2.13)")
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_scaled_mm_on_cpu_compiles_once_for_every_routing(compiler: str) -> None:
+    """The scaled_mm backend on a CPU where F.scaled_mm takes its products: its grouped layers keep the
+    sizes on the device too, one graph for every routing (1-token experts included), bitwise its eager
+    layer, which multiplies expert by expert."""
+    recipe = ss.DelayedScaling(history_len=4)
+    got, frames = _run(recipe, compiler, backend="scaled_mm")
+    want, _ = _run(recipe, None, backend="scaled_mm")
+    assert frames == 1
+    assert_same(got, want, name=f"compiled ({compiler}) scaled_mm vs eager")
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
@@ -170,10 +185,12 @@ def test_device_grouped_cast_matches_one_cast_per_group() -> None:
         assert torch.equal(record.nan_to_num(), want_record.nan_to_num())
 
 
-def test_grouped_products_match_one_product_per_group() -> None:
+@pytest.mark.parametrize("backend", [EmulationBackend(), ScaledMMBackend()], ids=["emulation", "scaled_mm"])
+def test_grouped_products_match_one_product_per_group(backend: EmulationBackend) -> None:
     """grouped_scaled_mm against the backend's scaled_mm of each group, for the three products of a layer
-    (rows by 3-d weights, both layouts; a transposed gradient by rows), empty groups giving zeros."""
-    backend = EmulationBackend()
+    (rows by 3-d weights, both layouts; a transposed gradient by rows), empty and 1-row groups included."""
+    if not backend.grouped_products(torch.device("cpu")):
+        pytest.skip(f"{backend!r} has no grouped products on this CPU (torch < 2.13: no F.scaled_mm CPU kernel)")
     sizes = [5, 0, 17, 1]
     counts = torch.tensor(sizes)
     offsets = counts.cumsum(0).to(torch.int32)
@@ -204,12 +221,18 @@ def test_grouped_products_match_one_product_per_group() -> None:
 
 
 def test_which_backends_keep_sizes_on_the_device() -> None:
-    """The emulation backend's grouped products are its own everywhere; scaled_mm's products are torch's
-    kernels (one per group), so its compiled grouped layers take the host path."""
-    cpu = torch.device("cpu")
+    """The emulation backend's grouped products are its own everywhere; scaled_mm's are on a CPU where
+    F.scaled_mm takes its products, and not on CUDA, where its products are torch's kernels, one per
+    group (its compiled grouped layers take the host path there, and a direct call is refused)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert isinstance(EmulationBackend(), SupportsDeviceGroups)
     assert EmulationBackend().grouped_products(cpu)
-    assert not ScaledMMBackend().grouped_products(cpu)
+    assert ScaledMMBackend().grouped_products(cpu) == cpu_runs_functional()
+    assert not ScaledMMBackend().grouped_products(cuda)
+    meta = GroupedOperand(torch.empty(4, 8, dtype=torch.float8_e4m3fn, device="meta"), torch.ones(4, 1, device="meta"))
+    weights = GroupedOperand(torch.empty(2, 8, 3, dtype=torch.float8_e4m3fn, device="meta"), torch.ones(2, 1, 1))
+    with pytest.raises(ss.errors.BackendUnavailableError, match="only on a CPU with"):
+        ScaledMMBackend().grouped_scaled_mm(meta, weights, torch.tensor([2, 4]), out_dtype=torch.float32)
 
 
 def test_sort_by_expert_on_device_matches_the_host_sort() -> None:

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from scalestate.backends.base import granularity_label, recipe_granularities
+from scalestate.backends.base import GroupedOperand, granularity_label, recipe_granularities
 from scalestate.backends.emulation import EmulationBackend
 from scalestate.backends.scaled_mm.capability import Probe, default_device, device_label
 from scalestate.backends.scaled_mm.kinds import PAIRS, ROW, Kind, Pair, operand_kinds, operand_label, recipe_kinds
@@ -127,10 +127,30 @@ class ScaledMMBackend(EmulationBackend):
         out inside :meth:`scaled_mm`."""
         return device.type != "cpu" or not self._probe.cpu_functional
 
+    #: On CPU its products multiply row-major copies of the dequantized operands (see grouped_products).
+    _row_major_groups = True
+
     def grouped_products(self, device: torch.device) -> bool:
-        """False: the products are torch's scaled-matmul kernels, one per group (compiled grouped layers
-        on this backend compile once per pattern of group sizes; ``scaled_grouped_mm`` is not used yet)."""
-        return False
+        """On a CPU where ``torch.nn.functional.scaled_mm`` takes the products: true. That kernel multiplies
+        row-major float32 copies of the dequantized operands, and :meth:`grouped_scaled_mm` multiplies each
+        group's so, with its bits. Elsewhere false: the products are torch's scaled-matmul kernels, one per
+        group (compiled grouped layers on this backend compile once per pattern of group sizes;
+        ``scaled_grouped_mm`` is not used yet)."""
+        return device.type == "cpu" and self._probe.cpu_functional
+
+    def grouped_scaled_mm(
+        self, a: GroupedOperand, b: GroupedOperand, offsets: Tensor, *, out_dtype: torch.dtype
+    ) -> Tensor:
+        """Each group's product with the bits of :meth:`scaled_mm` of that group, where
+        :meth:`grouped_products` says so (on a CPU with ``torch.nn.functional.scaled_mm``)."""
+        device = a.data.device
+        if not self.grouped_products(device):
+            raise BackendUnavailableError(
+                f"ScaledMMBackend multiplies grouped operands with the sizes on the device only on a CPU with "
+                f"torch.nn.functional.scaled_mm (torch 2.13+), not on {device_label(device)}: give the group "
+                "sizes as a list (one product per group), or use backend='emulation'"
+            )
+        return super().grouped_scaled_mm(a, b, offsets, out_dtype=out_dtype)
 
     def scaled_mm(
         self,
