@@ -116,14 +116,15 @@ def cpu_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, *, row
     if torch.compiler.is_compiling():
         out: Tensor = torch.ops.scalestate.cpu_scaled_mm(a, b, scale_a, scale_b, rowwise)
         return out
+    return _functional(a, b, scale_a, scale_b, rowwise)
+
+
+def _functional(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, rowwise: bool) -> Tensor:
     st = F.ScalingType.RowWise if rowwise else F.ScalingType.TensorWise
     return F.scaled_mm(a, b, scale_a, st, scale_b, st, output_dtype=torch.float32)
 
 
-@torch.library.custom_op("scalestate::cpu_scaled_mm", mutates_args=())
-def _cpu_scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, rowwise: bool) -> Tensor:
-    st = F.ScalingType.RowWise if rowwise else F.ScalingType.TensorWise
-    return F.scaled_mm(a, b, scale_a, st, scale_b, st, output_dtype=torch.float32)
+_cpu_scaled_mm_op = torch.library.custom_op("scalestate::cpu_scaled_mm", _functional, mutates_args=())
 
 
 @_cpu_scaled_mm_op.register_fake
