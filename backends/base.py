@@ -243,12 +243,19 @@ class SupportsDeviceGroups(Protocol):
         ...
 
     def grouped_scaled_mm(
-        self, a: GroupedOperand, b: GroupedOperand, offsets: Tensor, *, out_dtype: torch.dtype
+        self,
+        a: GroupedOperand,
+        b: GroupedOperand,
+        offsets: Tensor,
+        *,
+        out_dtype: torch.dtype,
+        bias: Tensor | None = None,
     ) -> Tensor:
         """The product of each group, as ``torch.nn.functional.grouped_mm`` groups them by ``offsets``
         (``[G]`` int32 ends): a 2-d ``a`` ``(T, K)`` by a 3-d ``b`` ``(G, K, N)`` gives ``(T, N)``, rows
         by group; a 2-d ``a`` ``(M, T)`` by a 2-d ``b`` ``(T, N)`` gives ``(G, M, N)``, ``T`` by group
-        (zeros for an empty group). Each group's product has the bits of :meth:`Backend.scaled_mm`."""
+        (zeros for an empty group). Each group's product has the bits of :meth:`Backend.scaled_mm`,
+        with ``bias[g]`` (a ``(G, N)`` bias, 3-d ``b`` only) as its ``bias``."""
         ...
 
 

@@ -111,11 +111,23 @@ class EmulationBackend:
         return True
 
     def grouped_scaled_mm(
-        self, a: GroupedOperand, b: GroupedOperand, offsets: Tensor, *, out_dtype: torch.dtype
+        self,
+        a: GroupedOperand,
+        b: GroupedOperand,
+        offsets: Tensor,
+        *,
+        out_dtype: torch.dtype,
+        bias: Tensor | None = None,
     ) -> Tensor:
-        """Dequantize both operands, multiply each group in float32 (``scalestate::grouped_mm``), cast."""
+        """Dequantize both operands, multiply each group in float32 and add its bias
+        (``scalestate::grouped_mm``), cast."""
+        if bias is not None and (b.data.dim() != 3 or tuple(bias.shape) != (b.data.shape[0], b.data.shape[2])):
+            raise CastError(
+                f"grouped_scaled_mm: a bias is one row per group of a 3-d b, ({b.data.shape[0]}, "
+                f"{b.data.shape[-1]}); got shape {tuple(bias.shape)} with b of shape {tuple(b.data.shape)}"
+            )
         dequantized = _dequantized(a), _dequantized(b)
-        out: Tensor = torch.ops.scalestate.grouped_mm(*dequantized, offsets, self._row_major_groups)
+        out: Tensor = torch.ops.scalestate.grouped_mm(*dequantized, offsets, self._row_major_groups, bias)
         return out if out_dtype == torch.float32 else out.to(out_dtype)
 
     def _cast_fine(self, request: CastRequest) -> Quantized:
@@ -238,13 +250,14 @@ def _chosen(request: CastRequest | GroupedCastRequest, own: Callable[[], Tensor]
 
 
 @torch.library.custom_op("scalestate::grouped_mm", mutates_args=())
-def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False) -> Tensor:
+def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False, bias: Tensor | None = None) -> Tensor:
     """Each group's ``torch.mm``, grouped as ``torch.nn.functional.grouped_mm`` groups (see
     :meth:`SupportsDeviceGroups.grouped_scaled_mm <scalestate.backends.SupportsDeviceGroups.grouped_scaled_mm>`),
     on any dtype and device, with the bits of ``torch.mm`` on each group's slices (with ``row_major``, on
     row-major copies of them, as ``torch.nn.functional.scaled_mm`` multiplies on CPU). An operator of its
     own, so that compiled code keeps the sizes on the device (torch's own refuses float32 while tracing);
-    its ``ends`` are read on the host when it runs."""
+    its ``ends`` are read on the host when it runs. ``bias`` (3-d ``b`` only): ``bias[g]`` is added
+    to group ``g``'s product in float32, as :meth:`EmulationBackend.scaled_mm` adds a bias."""
     ends: list[int] = offsets.tolist()
     starts = [0, *ends[:-1]]
 
@@ -252,7 +265,10 @@ def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False) -
         return torch.mm(x.contiguous(), y.contiguous()) if row_major else torch.mm(x, y)
 
     if b.dim() == 3:  # rows of a by group, each times b[g]
-        parts = [mm(a[s:e], b[g]) for g, (s, e) in enumerate(zip(starts, ends, strict=True)) if e > s]
+        groups = [(g, s, e) for g, (s, e) in enumerate(zip(starts, ends, strict=True)) if e > s]
+        parts = [mm(a[s:e], b[g]) for g, s, e in groups]
+        if bias is not None:
+            parts = [part + bias[g].float() for part, (g, _, _) in zip(parts, groups, strict=True)]
         tail = a.shape[0] - (ends[-1] if ends else 0)
         if tail:
             parts.append(a.new_zeros((tail, b.shape[-1])))
@@ -261,7 +277,7 @@ def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False) -
 
 
 @grouped_mm.register_fake
-def _(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False) -> Tensor:
+def _(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False, bias: Tensor | None = None) -> Tensor:
     if b.dim() == 3:
         return a.new_empty((a.shape[0], b.shape[-1]))
     return a.new_empty((offsets.shape[0], a.shape[0], b.shape[1]))

@@ -117,11 +117,37 @@ def test_microbatches_and_checkpointing_on_the_device_path(checkpoint: bool) -> 
     assert_same(got, want, name=f"compiled ({'checkpointed' if checkpoint else 'plain'}) vs eager, 2 microbatches")
 
 
-def test_bias_takes_the_host_path() -> None:
-    """A per-expert bias needs each group's size for its gradient's bits: the host path, still eager's bits."""
-    got, _ = _run(ss.DelayedScaling(history_len=4), "aot_eager", bias=True, fullgraph=False)
-    want, _ = _run(ss.DelayedScaling(history_len=4), None, bias=True)
-    assert_same(got, want, name="compiled with bias vs eager")
+@pytest.mark.parametrize(
+    ("backend", "compiler"),
+    [("emulation", "aot_eager"), ("emulation", "inductor"), ("scaled_mm", "aot_eager")],
+)
+def test_bias_keeps_the_sizes_on_the_device(backend: str, compiler: str) -> None:
+    """A per-expert bias: added to each expert's product inside the grouped product, its gradient summed
+    over each expert's own rows by one operator; still one graph for every routing, and bitwise the eager
+    layer (outputs, every gradient, the bias's included, and the state)."""
+    if backend == "scaled_mm" and not cpu_runs_functional():
+        pytest.skip("this torch has no CPU kernel of F.scaled_mm (torch < 2.13): scaled_mm takes the host path")
+    recipe = ss.DelayedScaling(history_len=4)
+    got, frames = _run(recipe, compiler, bias=True, backend=backend)
+    want, _ = _run(recipe, None, bias=True, backend=backend)
+    assert frames == 1
+    assert_same(got, want, name=f"compiled ({compiler}, {backend}) with bias vs eager")
+
+
+def test_grouped_sum_is_each_groups_own_sum() -> None:
+    """scalestate::grouped_sum: each group's rows summed in float32 exactly as a sum of that slice alone
+    (bf16 and float32 rows, empty and 1-row groups, rows past the last group ignored), and an operator
+    that passes torch's own checks (fake tensor, schema, autograd registration)."""
+    sizes = [5, 0, 300, 1, 0]
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(sum(sizes) + 3, 24) * 100).to(dtype)
+        got = torch.ops.scalestate.grouped_sum(x, offsets)
+        parts = x[: sum(sizes)].split(sizes)
+        assert got.dtype == torch.float32 and got.shape == (len(sizes), 24)
+        for g, part in enumerate(parts):
+            assert torch.equal(got[g], part.sum(0, dtype=torch.float32))
+        torch.library.opcheck(torch.ops.scalestate.grouped_sum, (x, offsets))
 
 
 def test_moe_model_compiles_once() -> None:
@@ -209,8 +235,16 @@ def test_grouped_products_match_one_product_per_group(backend: EmulationBackend)
     ws = GroupedOperand(torch.stack([q.data for q in qw]), torch.stack([q.scale_inv for q in qw]).view(E, 1, 1))
     f32, bf16 = torch.float32, torch.bfloat16
     used = [e for e, n in enumerate(sizes) if n]
-    forward = backend.grouped_scaled_mm(xs, ws._replace(data=ws.data.transpose(1, 2)), offsets, out_dtype=f32)
+    wt = ws._replace(data=ws.data.transpose(1, 2))
+    forward = backend.grouped_scaled_mm(xs, wt, offsets, out_dtype=f32)
     assert torch.equal(forward, torch.cat([backend.scaled_mm(qx[e], qw[e].t(), out_dtype=f32) for e in used]))
+    for dtype in (f32, bf16):  # a bias per group, added as scaled_mm adds it, then the one rounding
+        bias = torch.randn(E, OUT).to(dtype)
+        with_bias = backend.grouped_scaled_mm(xs, wt, offsets, out_dtype=dtype, bias=bias)
+        want = [backend.scaled_mm(qx[e], qw[e].t(), out_dtype=dtype, bias=bias[e]) for e in used]
+        assert torch.equal(with_bias, torch.cat(want))
+    with pytest.raises(ss.errors.CastError, match="one row per group of a 3-d b"):
+        backend.grouped_scaled_mm(xs, wt, offsets, out_dtype=f32, bias=torch.zeros(E, IN))
     grad_x = backend.grouped_scaled_mm(gs, ws, offsets, out_dtype=bf16)
     assert torch.equal(grad_x, torch.cat([backend.scaled_mm(qg[e], qw[e], out_dtype=bf16) for e in used]))
     transposed = gs._replace(data=gs.data.t(), scale_inv=gs.scale_inv.t())

@@ -139,7 +139,13 @@ class ScaledMMBackend(EmulationBackend):
         return device.type == "cpu" and self._probe.cpu_functional
 
     def grouped_scaled_mm(
-        self, a: GroupedOperand, b: GroupedOperand, offsets: Tensor, *, out_dtype: torch.dtype
+        self,
+        a: GroupedOperand,
+        b: GroupedOperand,
+        offsets: Tensor,
+        *,
+        out_dtype: torch.dtype,
+        bias: Tensor | None = None,
     ) -> Tensor:
         """Each group's product with the bits of :meth:`scaled_mm` of that group, where
         :meth:`grouped_products` says so (on a CPU with ``torch.nn.functional.scaled_mm``)."""
@@ -150,7 +156,7 @@ class ScaledMMBackend(EmulationBackend):
                 f"torch.nn.functional.scaled_mm (torch 2.13+), not on {device_label(device)}: give the group "
                 "sizes as a list (one product per group), or use backend='emulation'"
             )
-        return super().grouped_scaled_mm(a, b, offsets, out_dtype=out_dtype)
+        return super().grouped_scaled_mm(a, b, offsets, out_dtype=out_dtype, bias=bias)
 
     def scaled_mm(
         self,
