@@ -40,6 +40,10 @@ class EmulationBackend:
     #: Whether :meth:`grouped_scaled_mm` multiplies row-major copies of each group's operands (the bits of a
     #: product that makes them, as ``torch.nn.functional.scaled_mm`` on CPU), not the operands as laid out.
     _row_major_groups = False
+    #: Whether compiled fine-grained grouped layers may run this backend's products as the emulation
+    #: backend's own, inside their operators (scalestate.nn.grouped_fine); subclasses with products
+    #: of their own set it false.
+    _fine_grouped_products = True
 
     def __init__(self) -> None:
         self._e4m3_tables: dict[torch.device, Tensor] = {}

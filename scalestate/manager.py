@@ -15,7 +15,7 @@ from scalestate._engine.casting import Caster, ShardCast
 from scalestate._engine.control import PhaseControl
 from scalestate._engine.loading import validate
 from scalestate._engine.state import Slot, State
-from scalestate.backends import Backend, GroupedRows
+from scalestate.backends import Backend
 from scalestate.backends.base import cast_spec
 from scalestate.diagnostics import ScalingStats, build_stats
 from scalestate.distributed import DEFAULT_GROUP, GroupSpec, Reduction
@@ -138,6 +138,8 @@ class ScalingStateManager(PhaseControl):
         self._binding = BackendBinding(backend, self._state, recipe)
         self._handles: dict[str, ScalingHandle] = {}
         self._caster = Caster(self._state, self._binding, delayed=self._delayed)
+        #: Compiled grouped layers' casts with the sizes on the device (`scalestate._engine.grouped_rows`).
+        self._device_groups = grouped_rows.DeviceGroups(self._caster)
         self._reduction = Reduction(group)
         self._recipe_dict = recipe_to_dict(recipe)
         if dev is not None:
@@ -344,14 +346,6 @@ class ScalingStateManager(PhaseControl):
     ) -> list[Quantized]:
         """Per-expert weight casts, the uncached ones grouped (see `scalestate._engine.casting`)."""
         return self._caster.cast_weights(slots, weight, experts, views, transpose)
-
-    def _takes_device_groups(self, slots: Sequence[Slot], device: torch.device) -> bool:
-        """Whether compiled grouped casts can keep their sizes on the device (`scalestate._engine.grouped_rows`)."""
-        return grouped_rows.takes_device_groups(self._caster, slots, device)
-
-    def _cast_grouped_rows(self, slots: Sequence[Slot], x: Tensor, counts: Tensor, active: Tensor) -> GroupedRows:
-        """Compiled grouped casts with the sizes on the device (`scalestate._engine.grouped_rows`)."""
-        return grouped_rows.cast_rows(self._caster, slots, x, counts, active)
 
     def _scale_of(self, slot: Slot) -> Tensor:
         return self._state.scale_of(slot).clone()

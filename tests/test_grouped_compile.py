@@ -42,6 +42,7 @@ def _run(
     microbatches: int = 1,
     checkpoint: bool = False,
     backend: str = "emulation",
+    sizes_per_step: list[list[int]] = SIZES,
 ) -> tuple[list, int]:
     """Train a GroupedLinear over SIZES (sizes as tensors), compiled with ``compiler`` or eager (``None``):
     (outputs, gradients and state after every step, number of compiled frames). ``microbatches``: passes
@@ -56,7 +57,7 @@ def _run(
     run = torch.compile(model, fullgraph=fullgraph, backend=counter) if counter else model
     gen = torch.Generator().manual_seed(1)
     out: list = []
-    for sizes in SIZES:
+    for sizes in sizes_per_step:
         for microbatch in range(microbatches):
             step_sizes = sizes if microbatch == 0 else sizes[::-1]
             x = (torch.randn(sum(step_sizes), IN, generator=gen) * 4).requires_grad_()
@@ -132,6 +133,55 @@ def test_bias_keeps_the_sizes_on_the_device(backend: str, compiler: str) -> None
     want, _ = _run(recipe, None, bias=True, backend=backend)
     assert frames == 1
     assert_same(got, want, name=f"compiled ({compiler}, {backend}) with bias vs eager")
+
+
+#: Tokens per expert for the fine-grained recipes: groups longer than a 128-token tile and a 32-token
+#: MX block, so that blocks along the tokens start at each expert's first token, and 1-token experts
+#: (171 tokens at every step: a new number of rows would compile once more, for a dynamic size).
+FINE_SIZES = [[130, 0, 40, 1], [0, 161, 10, 0], [33, 33, 0, 105], [1, 0, 0, 170]]
+FINE_RECIPES = [ss.RowwiseScaling(), ss.BlockScaling(), ss.MXFP8Scaling()]
+
+
+@pytest.mark.parametrize("recipe", FINE_RECIPES, ids=["rowwise", "block", "mxfp8"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_fine_grained_recipes_compile_once_for_every_routing(recipe: ss.Recipe, bias: bool) -> None:
+    """Fine-grained recipes (row-wise, 1x128 tiles with 128x128 weight blocks, MX): each expert's casts
+    run inside two operators of their own, so the sizes stay on the device: one graph for every routing
+    (groups longer than a block along the tokens, empty and 1-token experts), bitwise the eager layer:
+    outputs, gradients (the bias's too) and each expert's amax histories."""
+    got, frames = _run(recipe, "aot_eager", bias=bias, sizes_per_step=FINE_SIZES)
+    want, _ = _run(recipe, None, bias=bias, sizes_per_step=FINE_SIZES)
+    assert frames == 1
+    assert_same(got, want, name=f"compiled {type(recipe).__name__} vs eager")
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+def test_fine_grained_microbatches_checkpointing_and_inductor(checkpoint: bool) -> None:
+    """A fine-grained recipe on the device path under inductor, two microbatches per step, the layer
+    plain or under torch's checkpoint in the compiled region: one graph, bitwise the eager layer (the
+    recompute records nothing)."""
+    recipe = ss.MXFP8Scaling()
+    got, frames = _run(recipe, "inductor", microbatches=2, checkpoint=checkpoint, sizes_per_step=FINE_SIZES)
+    want, _ = _run(recipe, None, microbatches=2, sizes_per_step=FINE_SIZES)
+    assert frames == 1
+    assert_same(got, want, name=f"compiled MXFP8 ({'checkpointed' if checkpoint else 'plain'}) vs eager")
+
+
+def test_fine_grained_operators_pass_torchs_checks() -> None:
+    """The two operators of fine-grained grouped layers: fake tensors, schema and autograd registration
+    as torch checks them, empty and 1-row groups included."""
+    from scalestate.nn.grouped_fine import describe_cast
+
+    manager = ss.ScalingStateManager(ss.BlockScaling(), backend="emulation")
+    handle = manager.register("probe", roles=tuple(ss.Role))
+    casts = [describe_cast(handle._slot(role).spec) for role in (ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT)]
+    offsets = torch.tensor([5, 5, 6, 20], dtype=torch.int32)
+    x, w, g = torch.randn(20, IN), torch.randn(E, OUT, IN), torch.randn(20, OUT)
+    torch.library.opcheck(
+        torch.ops.scalestate.fine_grouped_forward, (x, w, torch.randn(E, OUT), offsets, *casts[:2], torch.bfloat16)
+    )
+    for need_x, need_w in [(True, True), (True, False), (False, True)]:
+        torch.library.opcheck(torch.ops.scalestate.fine_grouped_backward, (g, x, w, offsets, *casts, need_x, need_w))
 
 
 def test_grouped_sum_is_each_groups_own_sum() -> None:

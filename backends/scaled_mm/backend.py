@@ -129,6 +129,8 @@ class ScaledMMBackend(EmulationBackend):
 
     #: On CPU its products multiply row-major copies of the dequantized operands (see grouped_products).
     _row_major_groups = True
+    #: Its products are torch's scaled matmuls, not the emulation's (see EmulationBackend).
+    _fine_grouped_products = False
 
     def grouped_products(self, device: torch.device) -> bool:
         """On a CPU where ``torch.nn.functional.scaled_mm`` takes the products: true. That kernel multiplies

@@ -27,7 +27,30 @@ from scalestate.phase import CastKind
 if TYPE_CHECKING:
     from scalestate._engine.casting import Caster
 
-__all__ = ["cast_rows", "takes_device_groups"]
+__all__ = ["DeviceGroups", "cast_rows", "record_groups", "takes_device_groups", "takes_fine_device_groups"]
+
+
+class DeviceGroups:
+    """The manager's compiled grouped casts with the sizes on the device (the functions of this module)."""
+
+    def __init__(self, caster: Caster) -> None:
+        self._caster = caster
+
+    def takes(self, slots: Sequence[Slot], device: torch.device) -> bool:
+        """:func:`takes_device_groups`."""
+        return takes_device_groups(self._caster, slots, device)
+
+    def takes_fine(self, slot_groups: Sequence[Sequence[Slot]], device: torch.device) -> bool:
+        """:func:`takes_fine_device_groups`."""
+        return takes_fine_device_groups(self._caster, slot_groups, device)
+
+    def cast_rows(self, slots: Sequence[Slot], x: Tensor, counts: Tensor, active: Tensor) -> GroupedRows:
+        """:func:`cast_rows`."""
+        return cast_rows(self._caster, slots, x, counts, active)
+
+    def record(self, slots: Sequence[Slot], amax: Tensor, active: Tensor) -> None:
+        """:func:`record_groups`."""
+        record_groups(self._caster, slots, amax, active)
 
 
 def takes_device_groups(caster: Caster, slots: Sequence[Slot], device: torch.device) -> bool:
@@ -45,6 +68,33 @@ def takes_device_groups(caster: Caster, slots: Sequence[Slot], device: torch.dev
     )
 
 
+def takes_fine_device_groups(caster: Caster, slot_groups: Sequence[Sequence[Slot]], device: torch.device) -> bool:
+    """Whether compiled code can run a grouped layer of a fine-grained recipe with the sizes on the device
+    (`scalestate.nn.grouped_fine`): each role's slots (``slot_groups``, one sequence per role) share one
+    fine-grained spec other than NVFP4's, no statistics, and a backend whose products are the emulation
+    backend's (its ``_fine_grouped_products``: the emulation backend's own, not its subclasses')."""
+    if not torch.compiler.is_compiling() or caster._stats or not all(slot_groups):
+        return False
+    for slots in slot_groups:
+        spec = slots[0].spec
+        if spec.granularity is None or spec.nvfp4 or any(slot.spec != spec for slot in slots):
+            return False
+    settle_during_trace(caster._binding, device)
+    return getattr(caster._binding.backend, "_fine_grouped_products", False) is True
+
+
+def record_groups(caster: Caster, slots: Sequence[Slot], amax: Tensor, active: Tensor) -> None:
+    """Max ``amax[g]`` (a ``[G]`` float32 tensor) into ``slots[g]``'s accumulator where ``active[g]`` and
+    the cast counts as recorded (not in a recompute or an evaluation), as each eager cast records
+    (NaN propagates)."""
+    if caster._kind(slots[0], False, True) is not CastKind.RECORD:  # one phase, one role: every slot's kind
+        return
+    st = caster._state
+    rows = torch.cat([st.row_index(slot) for slot in slots])
+    kept = torch.where(active, amax, torch.zeros_like(amax))
+    st.step_amax.index_copy_(0, rows, torch.maximum(st.step_amax.index_select(0, rows), kept))
+
+
 def cast_rows(caster: Caster, slots: Sequence[Slot], x: Tensor, counts: Tensor, active: Tensor) -> GroupedRows:
     """Cast ``x``'s row groups (``counts`` rows each, on the device), group ``g`` for ``slots[g]``,
     in one request; only groups where ``active`` (a ``[G]`` bool tensor) record their amax."""
@@ -60,7 +110,5 @@ def cast_rows(caster: Caster, slots: Sequence[Slot], x: Tensor, counts: Tensor, 
     request = GroupedCastRequest(x.detach(), slots[0].spec, counts, st.scales.index_select(0, rows), jit, record)
     out = backend.cast_grouped_rows(request)
     if record is not None:
-        # maximum(accumulator, amax) for the active groups, as each eager cast records (NaN propagates)
-        kept = torch.where(active, record, torch.zeros_like(record))
-        st.step_amax.index_copy_(0, rows, torch.maximum(st.step_amax.index_select(0, rows), kept))
+        record_groups(caster, slots, record, active)
     return out

@@ -14,7 +14,8 @@ run through the backend's ``grouped_scaled_mm`` (which adds each expert's
 bias to its product), each expert's bias gradient is its own rows' sum through
 one opaque operator (``scalestate::grouped_sum``), and only experts with
 tokens record their amaxes. The outputs, gradients and the state after each
-step are the eager layer's, bitwise.
+step are the eager layer's, bitwise. Fine-grained recipes (but NVFP4) on the
+emulation backend take :mod:`scalestate.nn.grouped_fine` instead.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import Tensor
 from scalestate.backends import GroupedOperand, SupportsDeviceGroups
 from scalestate.errors import ArgumentTypeError, ArgumentValueError
 from scalestate.handle import ScalingHandle
+from scalestate.nn.grouped_fine import DeviceFineGroupedFunction, describe_cast
 from scalestate.recipe import Role
 
 __all__ = ["DeviceGroupedFP8LinearFunction", "device_grouped_linear", "grouped_sum"]
@@ -55,13 +57,23 @@ def device_grouped_linear(
         raise ArgumentValueError(f"{where}: group_sizes is on {group_sizes.device}, the input on {x.device}")
     manager = handles[0].manager
     slots = tuple(tuple(h._slot(role) for h in handles) for role in (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT))
-    if not all(manager._takes_device_groups(group, x.device) for group in slots):
+    groups = manager._device_groups
+    per_tensor = all(groups.takes(group, x.device) for group in slots)
+    if not per_tensor and not groups.takes_fine(slots, x.device):
         return None
     counts = group_sizes.to(torch.int64)
     active = counts > 0
-    qx = manager._cast_grouped_rows(slots[0], x, counts, active)
+    if not per_tensor:  # a fine-grained recipe: each expert's casts inside two operators (grouped_fine)
+        casts = tuple(describe_cast(group[0].spec) for group in slots)
+        fine: tuple[Tensor, Tensor, Tensor] = DeviceFineGroupedFunction.apply(  # type: ignore[no-untyped-call]
+            x, weight, bias, counts.cumsum(0).to(torch.int32), active, casts, out_dtype, manager, slots[2]
+        )
+        groups.record(slots[0], fine[1], active)
+        groups.record(slots[1], fine[2], active)
+        return fine[0]
+    qx = groups.cast_rows(slots[0], x, counts, active)
     rows_per_expert = torch.full((n_experts,), out_features, dtype=torch.int64, device=x.device)
-    qw = manager._cast_grouped_rows(slots[1], weight.detach().reshape(-1, in_features), rows_per_expert, active)
+    qw = groups.cast_rows(slots[1], weight.detach().reshape(-1, in_features), rows_per_expert, active)
     out: Tensor = DeviceGroupedFP8LinearFunction.apply(  # type: ignore[no-untyped-call]
         x, weight, bias, qx.data, qx.scale_inv.index_select(0, qx.group_of_row).unsqueeze(1), qx.group_of_row,
         qw.data.view(weight.shape), qw.scale_inv.view(n_experts, 1, 1), counts, active, manager, slots[2],
@@ -111,7 +123,7 @@ class DeviceGroupedFP8LinearFunction(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         grad_x = grad_w = grad_b = None
         if need_x or need_w:
-            qg = ctx.manager._cast_grouped_rows(ctx.grad_slots, grad_out, counts, active)
+            qg = ctx.manager._device_groups.cast_rows(ctx.grad_slots, grad_out, counts, active)
             g_scale_inv = qg.scale_inv.index_select(0, group_of_row)
             if need_x:  # dy @ w, expert by expert
                 grad_x = backend.grouped_scaled_mm(
