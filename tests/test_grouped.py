@@ -46,20 +46,22 @@ class Loop(nn.Module):
 
 def _run(
     recipe: ss.Recipe, backend: str, grouped: bool, *, bias: bool = False, wrap: str | None = None,
-    stats: bool = False, order: tuple[int, int] = (0, 1),
+    stats: bool = False, order: tuple[int, int] = (0, 1), device: str = "cpu",
 ) -> dict:
     torch.manual_seed(0)
     manager = ss.ScalingStateManager(recipe, backend=backend_for(recipe, backend), collect_stats=stats)
     layer = ss.nn.GroupedLinear(E, IN, OUT, bias=bias, manager=manager if grouped else _scratch(), name="moe")
     if not grouped:
         layer = Loop(manager, layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
+    layer.to(device)
     sized = Sized(layer)
     run = checkpointer(wrap)(sized) if wrap else sized
     opt = torch.optim.SGD(layer.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(3)
     out: dict[str, list] = {"y": [], "dx": [], "dw": [], "state": []}
     for step, step_sizes in enumerate(SIZES):
-        inputs = [(torch.randn(sum(sizes), IN, generator=gen) * (1 + step)).requires_grad_() for sizes in step_sizes]
+        inputs = [(torch.randn(sum(sizes), IN, generator=gen) * (1 + step)).to(device) for sizes in step_sizes]
+        inputs = [x.requires_grad_() for x in inputs]
         for i in order:
             sizes, x = step_sizes[i], inputs[i]
             sized.sizes = sizes

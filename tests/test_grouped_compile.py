@@ -43,6 +43,7 @@ def _run(
     checkpoint: bool = False,
     backend: str = "emulation",
     sizes_per_step: list[list[int]] = SIZES,
+    device: str = "cpu",
 ) -> tuple[list, int]:
     """Train a GroupedLinear over SIZES (sizes as tensors), compiled with ``compiler`` or eager (``None``):
     (outputs, gradients and state after every step, number of compiled frames). ``microbatches``: passes
@@ -50,7 +51,7 @@ def _run(
     torch._dynamo.reset()
     torch.manual_seed(0)
     manager = ss.ScalingStateManager(recipe, backend=backend)
-    layer = ss.nn.GroupedLinear(E, IN, OUT, bias=bias, manager=manager, name="moe")
+    layer = ss.nn.GroupedLinear(E, IN, OUT, bias=bias, manager=manager, name="moe").to(device)
     model = _Checkpointed(layer) if checkpoint else layer
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     counter = CompileCounterWithBackend(compiler) if compiler else None
@@ -60,9 +61,9 @@ def _run(
     for sizes in sizes_per_step:
         for microbatch in range(microbatches):
             step_sizes = sizes if microbatch == 0 else sizes[::-1]
-            x = (torch.randn(sum(step_sizes), IN, generator=gen) * 4).requires_grad_()
+            x = (torch.randn(sum(step_sizes), IN, generator=gen) * 4).to(device).requires_grad_()
             with manager.forward():
-                y = run(x, torch.tensor(step_sizes))
+                y = run(x, torch.tensor(step_sizes, device=device))
             with manager.backward():
                 (y**2).mean().backward()
             out += [y.detach(), x.grad]
@@ -139,10 +140,11 @@ def test_bias_keeps_the_sizes_on_the_device(backend: str, compiler: str) -> None
 #: MX block, so that blocks along the tokens start at each expert's first token, and 1-token experts
 #: (171 tokens at every step: a new number of rows would compile once more, for a dynamic size).
 FINE_SIZES = [[130, 0, 40, 1], [0, 161, 10, 0], [33, 33, 0, 105], [1, 0, 0, 170]]
-FINE_RECIPES = [ss.RowwiseScaling(), ss.BlockScaling(), ss.MXFP8Scaling()]
+#: Block scaling twice: 128-token tiles (the default) and 8-token ones (many tiles in each expert).
+FINE_RECIPES = [ss.RowwiseScaling(), ss.BlockScaling(), ss.BlockScaling(block=8), ss.MXFP8Scaling()]
 
 
-@pytest.mark.parametrize("recipe", FINE_RECIPES, ids=["rowwise", "block", "mxfp8"])
+@pytest.mark.parametrize("recipe", FINE_RECIPES, ids=["rowwise", "block128", "block8", "mxfp8"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_fine_grained_recipes_compile_once_for_every_routing(recipe: ss.Recipe, bias: bool) -> None:
     """Fine-grained recipes (row-wise, 1x128 tiles with 128x128 weight blocks, MX): each expert's casts
