@@ -31,6 +31,8 @@ __all__ = ["EmulationBackend"]
 
 #: Below this many elements, a table lookup costs more than it saves.
 _TABLE_MIN_NUMEL = 4096
+#: The methods grouped casts and products stand in for (see EmulationBackend.grouped_products).
+_OWN = ("cast", "dequantize", "scaled_mm")
 
 
 class EmulationBackend:
@@ -40,16 +42,17 @@ class EmulationBackend:
     #: Whether :meth:`grouped_scaled_mm` multiplies row-major copies of each group's operands (the bits of a
     #: product that makes them, as ``torch.nn.functional.scaled_mm`` on CPU), not the operands as laid out.
     _row_major_groups = False
-    #: Whether compiled fine-grained grouped layers may run this backend's products as the emulation
-    #: backend's own, inside their operators (scalestate.nn.grouped_fine); subclasses with products
-    #: of their own set it false.
-    _fine_grouped_products = True
 
     def __init__(self) -> None:
         self._e4m3_tables: dict[torch.device, Tensor] = {}
 
     def __repr__(self) -> str:
         return "EmulationBackend()"
+
+    def _products_key(self) -> str | None:
+        """How compiled grouped layers' operators rebuild this backend (scalestate.nn.grouped_opaque):
+        ``"emulation"``; ``None`` for a subclass, which may cast or multiply otherwise."""
+        return "emulation" if type(self) is EmulationBackend else None
 
     def available(self, device: torch.device | None = None) -> tuple[bool, str]:
         """Always available: it needs nothing beyond torch's float8 dtypes."""
@@ -111,8 +114,12 @@ class EmulationBackend:
         return GroupedRows(data.to(spec.dtype), scale, torch.reciprocal(scale), group_of_row)
 
     def grouped_products(self, device: torch.device) -> bool:
-        """True: :meth:`grouped_scaled_mm` multiplies each group as :meth:`scaled_mm` would, on any device."""
-        return True
+        """True, on any device, where :meth:`cast`, :meth:`dequantize` and :meth:`scaled_mm` are this class's
+        own: :meth:`cast_grouped_rows` and :meth:`grouped_scaled_mm` then cast and multiply each group as
+        they would. A subclass that replaces one of them (and not this method) gets False: its compiled
+        grouped layers take the host path, with its own casts and products."""
+        cls = type(self)
+        return all(getattr(cls, name) is getattr(EmulationBackend, name) for name in _OWN)
 
     def grouped_scaled_mm(
         self,

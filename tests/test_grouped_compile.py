@@ -13,6 +13,7 @@ from scalestate.backends.base import cast_spec
 from scalestate.backends.emulation import EmulationBackend
 from scalestate.backends.scaled_mm import ScaledMMBackend
 from scalestate.backends.scaled_mm.capability import cpu_runs_functional
+from scalestate.nn.grouped_opaque import describe_spec
 from scalestate.quantized import Orientation
 from scalestate.testing import TinyLM, assert_same
 
@@ -111,7 +112,7 @@ def test_scaled_mm_on_cpu_compiles_once_for_every_routing(compiler: str) -> None
 def test_microbatches_and_checkpointing_on_the_device_path(checkpoint: bool) -> None:
     """Two microbatches per step (different routings), the layer plain or under torch's checkpoint inside
     the compiled region: still one graph, and bitwise the eager, un-checkpointed layer (each step's amaxes
-    are the max over its microbatches; the recompute in backward records nothing)."""
+    are the max over its microbatches)."""
     recipe = ss.DelayedScaling(history_len=4)
     got, frames = _run(recipe, "aot_eager", microbatches=2, checkpoint=checkpoint)
     want, _ = _run(recipe, None, microbatches=2)
@@ -160,8 +161,7 @@ def test_fine_grained_recipes_compile_once_for_every_routing(recipe: ss.Recipe, 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
 def test_fine_grained_microbatches_checkpointing_and_inductor(checkpoint: bool) -> None:
     """A fine-grained recipe on the device path under inductor, two microbatches per step, the layer
-    plain or under torch's checkpoint in the compiled region: one graph, bitwise the eager layer (the
-    recompute records nothing)."""
+    plain or under torch's checkpoint in the compiled region: one graph, bitwise the eager layer."""
     recipe = ss.MXFP8Scaling()
     got, frames = _run(recipe, "inductor", microbatches=2, checkpoint=checkpoint, sizes_per_step=FINE_SIZES)
     want, _ = _run(recipe, None, microbatches=2, sizes_per_step=FINE_SIZES)
@@ -169,21 +169,97 @@ def test_fine_grained_microbatches_checkpointing_and_inductor(checkpoint: bool) 
     assert_same(got, want, name=f"compiled MXFP8 ({'checkpointed' if checkpoint else 'plain'}) vs eager")
 
 
-def test_fine_grained_operators_pass_torchs_checks() -> None:
-    """The two operators of fine-grained grouped layers: fake tensors, schema and autograd registration
-    as torch checks them, empty and 1-row groups included."""
-    from scalestate.nn.grouped_fine import describe_cast
+@pytest.mark.skipif(not cpu_runs_functional(), reason="this torch has no CPU kernel of F.scaled_mm (torch < 2.13)")
+@pytest.mark.parametrize("recipe", FINE_RECIPES, ids=["rowwise", "block128", "block8", "mxfp8"])
+def test_scaled_mm_fine_grained_recipes_compile_once(recipe: ss.Recipe) -> None:
+    """The scaled_mm backend with fine-grained recipes (row-wise products through F.scaled_mm on CPU,
+    block and MX ones through its emulation fallback): each expert's casts and the backend's own products
+    inside the operators, one graph for every routing, bitwise its eager layer."""
+    got, frames = _run(recipe, "aot_eager", backend=ScaledMMBackend(fallback="emulation"), sizes_per_step=FINE_SIZES)
+    want, _ = _run(recipe, None, backend=ScaledMMBackend(fallback="emulation"), sizes_per_step=FINE_SIZES)
+    assert frames == 1
+    assert_same(got, want, name=f"compiled scaled_mm {type(recipe).__name__} vs eager")
 
-    manager = ss.ScalingStateManager(ss.BlockScaling(), backend="emulation")
-    handle = manager.register("probe", roles=tuple(ss.Role))
-    casts = [describe_cast(handle._slot(role).spec) for role in (ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT)]
-    offsets = torch.tensor([5, 5, 6, 20], dtype=torch.int32)
+
+@pytest.mark.parametrize("recipe", [ss.DelayedScaling(history_len=4), ss.CurrentScaling()], ids=["delayed", "current"])
+def test_backends_without_grouped_products_run_the_operators(recipe: ss.Recipe, monkeypatch) -> None:
+    """A per-tensor recipe on a backend whose grouped products are not its own on the device (scaled_mm on
+    CUDA: torch's kernels, one per expert), here the scaled_mm backend told so on CPU: the operators run its
+    per-expert casts and products, with the slots' scales, one graph for every routing, bitwise eager
+    (histories, just-in-time scales of the first step, empty experts)."""
+    monkeypatch.setattr(ScaledMMBackend, "grouped_products", lambda self, device: False)
+    got, frames = _run(recipe, "aot_eager", backend="scaled_mm", bias=True)
+    want, _ = _run(recipe, None, backend="scaled_mm", bias=True)
+    assert frames == 1
+    assert_same(got, want, name=f"compiled scaled_mm {type(recipe).__name__} through the operators vs eager")
+
+
+@pytest.mark.parametrize("recipe", [ss.DelayedScaling(), ss.BlockScaling(block=8)], ids=["delayed", "block8"])
+@pytest.mark.parametrize("products", ["emulation", "scaled_mm:emulation"])
+def test_opaque_operators_pass_torchs_checks(recipe: ss.Recipe, products: str) -> None:
+    """The two operators that run a grouped layer's experts in compiled code where a grouped cast cannot:
+    fake tensors, schema and autograd registration as torch checks them, empty and 1-row groups included."""
+    roles = (ss.Role.INPUT, ss.Role.WEIGHT, ss.Role.GRAD_OUTPUT)
+    specs = [describe_spec(cast_spec(recipe, role)) for role in roles]
+    offsets = torch.tensor([5, 5, 6, 18], dtype=torch.int32)  # 2 rows past the last group: zeros
     x, w, g = torch.randn(20, IN), torch.randn(E, OUT, IN), torch.randn(20, OUT)
-    torch.library.opcheck(
-        torch.ops.scalestate.fine_grouped_forward, (x, w, torch.randn(E, OUT), offsets, *casts[:2], torch.bfloat16)
-    )
+    scales, jit = torch.rand(3, E) + 0.5, torch.tensor([True, False, True, False]).expand(3, E)
+    forward = (x, w, torch.randn(E, OUT), offsets, scales[:2], jit[:2], *specs[:2], products, torch.bfloat16)
+    torch.library.opcheck(torch.ops.scalestate.grouped_experts_forward, forward)
     for need_x, need_w in [(True, True), (True, False), (False, True)]:
-        torch.library.opcheck(torch.ops.scalestate.fine_grouped_backward, (g, x, w, offsets, *casts, need_x, need_w))
+        backward = (g, x, w, offsets, scales, jit, *specs, products, need_x, need_w)
+        torch.library.opcheck(torch.ops.scalestate.grouped_experts_backward, backward)
+    out = torch.ops.scalestate.grouped_experts_forward(*forward)[0]
+    assert out.shape == (20, OUT) and not out[18:].any()
+
+
+@pytest.mark.parametrize("bias", [None, torch.float32, torch.bfloat16], ids=["no_bias", "f32_bias", "bf16_bias"])
+def test_grouped_mm_operator_passes_torchs_checks(bias: torch.dtype | None) -> None:
+    """scalestate::grouped_mm, rows by group times 3-d weights, with and without a bias per group, and
+    rows by rows into one product per group: torch's operator checks, empty and 1-row groups included."""
+    offsets = torch.tensor([5, 5, 6, 18], dtype=torch.int32)
+    a, b = torch.randn(20, IN), torch.randn(E, IN, OUT)
+    b_bias = None if bias is None else torch.randn(E, OUT).to(bias)
+    torch.library.opcheck(torch.ops.scalestate.grouped_mm, (a, b, offsets, False, b_bias))
+    torch.library.opcheck(torch.ops.scalestate.grouped_mm, (a.t().contiguous(), torch.randn(20, OUT), offsets, True))
+
+
+class _Replaced(EmulationBackend):
+    """A backend that replaces only the emulation's product (the docs' example of a backend of one's own)."""
+
+    def scaled_mm(self, a, b, *, out_dtype, bias=None):  # type: ignore[no-untyped-def]
+        return super().scaled_mm(a, b, out_dtype=torch.float32, bias=bias).mul(2).to(out_dtype)
+
+
+@pytest.mark.parametrize("recipe", [ss.DelayedScaling(history_len=4), ss.MXFP8Scaling()], ids=["delayed", "mxfp8"])
+def test_a_backend_of_ones_own_keeps_its_own_products(recipe: ss.Recipe) -> None:
+    """A subclass of the emulation backend with a product of its own: compiled grouped layers do not stand
+    the emulation's grouped products or operators in for it (they take the host path, compiling per
+    pattern of sizes), and give its eager bits."""
+    assert not _Replaced().grouped_products(torch.device("cpu"))
+    sizes = FINE_SIZES if recipe.granularity(ss.Role.INPUT) is not None else SIZES
+    got, _ = _run(recipe, "aot_eager", backend=_Replaced(), fullgraph=False, sizes_per_step=sizes)
+    want, _ = _run(recipe, None, backend=_Replaced(), sizes_per_step=sizes)
+    assert_same(got, want, name=f"compiled vs eager, a backend of one's own, {type(recipe).__name__}")
+
+
+def test_no_tokens_gives_no_parameter_gradient() -> None:
+    """No tokens at all: compiled code, as eager, casts and multiplies nothing, and leaves the parameters
+    without a gradient (an optimizer then leaves them alone, as eager's)."""
+    grads = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        layer = ss.nn.GroupedLinear(E, IN, OUT, bias=True, manager=manager, name="moe")
+        run = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+        x = torch.randn(0, IN, requires_grad=True)
+        with manager.forward():
+            y = run(x, torch.zeros(E, dtype=torch.int64))
+        with manager.backward():
+            (y.sum() + x.sum()).backward()
+        grads.append((layer.weight.grad, layer.bias.grad, y.shape))
+        manager.step()
+    assert grads[0] == grads[1] == (None, None, (0, OUT))
 
 
 def test_grouped_sum_is_each_groups_own_sum() -> None:

@@ -3,7 +3,7 @@
 Expert ``e`` of a ``GroupedLinear`` is, bitwise, an ``ss.nn.Linear`` on its
 tokens (eager, both backends whose products run there); compiled code with
 the group sizes on the device runs one graph for every routing with eager's
-bits (per-tensor and fine-grained recipes on the emulation backend). Run by
+bits (per-tensor and fine-grained recipes on the emulation backend, per-tensor ones on scaled_mm). Run by
 ``benchmarks/gpu_check.sh``; skipped without a GPU, with the reason.
 """
 
@@ -42,14 +42,22 @@ def test_grouped_equals_one_linear_per_expert_on_the_gpu(recipe: str, backend: s
 
 
 @pytest.mark.parametrize(
-    ("recipe", "sizes"),
-    [(ss.DelayedScaling(history_len=4), None), (ss.MXFP8Scaling(), FINE_SIZES)],
-    ids=["delayed", "mxfp8"],
+    ("recipe", "backend", "sizes"),
+    [
+        (ss.DelayedScaling(history_len=4), "emulation", None),
+        (ss.DelayedScaling(history_len=4), "scaled_mm", None),
+        (ss.MXFP8Scaling(), "emulation", FINE_SIZES),
+    ],
+    ids=["delayed-emulation", "delayed-scaled_mm", "mxfp8-emulation"],
 )
-def test_compiled_sizes_on_the_device_on_the_gpu(recipe: ss.Recipe, sizes: list[list[int]] | None) -> None:
-    """Group sizes as a CUDA tensor: one compiled frame (aot_eager) over every routing, bitwise eager."""
+def test_compiled_sizes_on_the_device_on_the_gpu(recipe: ss.Recipe, backend: str, sizes: list | None) -> None:
+    """Group sizes as a CUDA tensor: one compiled frame (aot_eager) over every routing, bitwise eager (the
+    grouped casts and products on emulation; the two operators for MXFP8, and for scaled_mm, whose products
+    on CUDA are torch's kernels, one per expert)."""
+    if backend == "scaled_mm" and _capability() < (8, 9):
+        pytest.skip(f"torch's scaled matmul needs sm89+; this GPU is sm{''.join(map(str, _capability()))}")
     kwargs = {} if sizes is None else {"sizes_per_step": sizes}
-    got, frames = run_compiled(recipe, "aot_eager", device="cuda", **kwargs)
-    want, _ = run_compiled(recipe, None, device="cuda", **kwargs)
+    got, frames = run_compiled(recipe, "aot_eager", device="cuda", backend=backend, **kwargs)
+    want, _ = run_compiled(recipe, None, device="cuda", backend=backend, **kwargs)
     assert frames == 1
-    assert_same(got, want, name=f"compiled vs eager, {type(recipe).__name__}, cuda")
+    assert_same(got, want, name=f"compiled vs eager, {type(recipe).__name__}, {backend}, cuda")

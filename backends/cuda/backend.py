@@ -57,9 +57,6 @@ class CudaBackend(EmulationBackend):
     the emulation's products: for testing only, slowly.
     """
 
-    #: Its products are the scaled_mm backend's on CUDA (see EmulationBackend).
-    _fine_grouped_products = False
-
     name = "cuda"
 
     def __init__(self) -> None:

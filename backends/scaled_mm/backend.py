@@ -129,8 +129,11 @@ class ScaledMMBackend(EmulationBackend):
 
     #: On CPU its products multiply row-major copies of the dequantized operands (see grouped_products).
     _row_major_groups = True
-    #: Its products are torch's scaled matmuls, not the emulation's (see EmulationBackend).
-    _fine_grouped_products = False
+
+    def _products_key(self) -> str | None:
+        """How compiled grouped layers' operators rebuild this backend (scalestate.nn.grouped_opaque):
+        ``"scaled_mm:"`` plus its fallback; ``None`` for a subclass."""
+        return f"scaled_mm:{self._fallback or ''}" if type(self) is ScaledMMBackend else None
 
     def grouped_products(self, device: torch.device) -> bool:
         """On a CPU where ``torch.nn.functional.scaled_mm`` takes the products: true. That kernel multiplies

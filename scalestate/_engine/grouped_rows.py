@@ -27,7 +27,9 @@ from scalestate.phase import CastKind
 if TYPE_CHECKING:
     from scalestate._engine.casting import Caster
 
-__all__ = ["DeviceGroups", "cast_rows", "record_groups", "takes_device_groups", "takes_fine_device_groups"]
+__all__ = [
+    "DeviceGroups", "cast_rows", "opaque_products", "record_groups", "scales_and_jit", "takes_device_groups",
+]
 
 
 class DeviceGroups:
@@ -40,9 +42,13 @@ class DeviceGroups:
         """:func:`takes_device_groups`."""
         return takes_device_groups(self._caster, slots, device)
 
-    def takes_fine(self, slot_groups: Sequence[Sequence[Slot]], device: torch.device) -> bool:
-        """:func:`takes_fine_device_groups`."""
-        return takes_fine_device_groups(self._caster, slot_groups, device)
+    def opaque_products(self, slot_groups: Sequence[Sequence[Slot]], device: torch.device) -> str | None:
+        """:func:`opaque_products`."""
+        return opaque_products(self._caster, slot_groups, device)
+
+    def scales_and_jit(self, slots: Sequence[Slot]) -> tuple[Tensor, Tensor]:
+        """:func:`scales_and_jit`."""
+        return scales_and_jit(self._caster, slots)
 
     def cast_rows(self, slots: Sequence[Slot], x: Tensor, counts: Tensor, active: Tensor) -> GroupedRows:
         """:func:`cast_rows`."""
@@ -68,19 +74,31 @@ def takes_device_groups(caster: Caster, slots: Sequence[Slot], device: torch.dev
     )
 
 
-def takes_fine_device_groups(caster: Caster, slot_groups: Sequence[Sequence[Slot]], device: torch.device) -> bool:
-    """Whether compiled code can run a grouped layer of a fine-grained recipe with the sizes on the device
-    (`scalestate.nn.grouped_fine`): each role's slots (``slot_groups``, one sequence per role) share one
-    fine-grained spec other than NVFP4's, no statistics, and a backend whose products are the emulation
-    backend's (its ``_fine_grouped_products``: the emulation backend's own, not its subclasses')."""
+def opaque_products(caster: Caster, slot_groups: Sequence[Sequence[Slot]], device: torch.device) -> str | None:
+    """Whether compiled code can run a grouped layer through the opaque operators of
+    `scalestate.nn.grouped_opaque` with the sizes on the device: the description of the backend they
+    rebuild (its ``_products_key()``: the emulation and ``scaled_mm`` backends, not their subclasses),
+    or ``None``. Each role's slots (``slot_groups``, one sequence per role) must share one spec other
+    than NVFP4's, and no statistics be kept."""
     if not torch.compiler.is_compiling() or caster._stats or not all(slot_groups):
-        return False
+        return None
     for slots in slot_groups:
         spec = slots[0].spec
-        if spec.granularity is None or spec.nvfp4 or any(slot.spec != spec for slot in slots):
-            return False
+        if spec.nvfp4 or any(slot.spec != spec for slot in slots):
+            return None
     settle_during_trace(caster._binding, device)
-    return getattr(caster._binding.backend, "_fine_grouped_products", False) is True
+    key = getattr(caster._binding.backend, "_products_key", None)
+    return key() if callable(key) else None
+
+
+def scales_and_jit(caster: Caster, slots: Sequence[Slot]) -> tuple[Tensor, Tensor]:
+    """``slots``' scales and whether each casts just in time, as two ``[G]`` tensors (float32, bool)."""
+    st = caster._state
+    rows = torch.cat([st.row_index(slot) for slot in slots])
+    jit = caster.group_jit(slots, compiling=True)
+    if isinstance(jit, bool):
+        jit = torch.full((len(slots),), jit, dtype=torch.bool, device=st.device)
+    return st.scales.index_select(0, rows), jit
 
 
 def record_groups(caster: Caster, slots: Sequence[Slot], amax: Tensor, active: Tensor) -> None:

@@ -17,7 +17,7 @@ from torch import Tensor
 from scalestate.backends import Backend
 from scalestate.quantized import Quantized
 
-__all__ = ["FP8LinearFunction", "GradCaster", "backward_products", "forward_product", "product"]
+__all__ = ["FP8LinearFunction", "GradCaster", "backward_products", "forward_product", "product", "saved_operands"]
 
 
 #: Casts the output gradient: ``cast_grad(dy, transpose) -> Quantized``.
@@ -91,11 +91,19 @@ def forward_product(
         # Each product takes its operands scaled along its own contraction axis:
         # x and w along in_features here; w along out_features and x along tokens later.
         out = product(backend, qx.rowwise(), qw.rowwise().t(), out_dtype, bias)
-        return out, qx.columnwise(), qw, True  # backward needs x only along tokens
-    out = product(backend, qx, qw.t(), out_dtype, bias)
+    else:
+        out = product(backend, qx, qw.t(), out_dtype, bias)
+    return (out, *saved_operands(qx, qw))
+
+
+def saved_operands(qx: Quantized, qw: Quantized) -> tuple[Quantized, Quantized, bool]:
+    """What :func:`forward_product` keeps of the casts for the backward products: ``(x_saved, w_saved,
+    x_is_transposed)``."""
+    if qx.tile is not None:
+        return qx.columnwise(), qw, True  # backward needs x only along tokens
     # The weight-gradient product needs x in the other layout: keep only that copy when the cast made it.
     x_saved = qx if qx.other is None else Quantized.of(qx.other)
-    return out, x_saved, qw, qx.transposed is not None
+    return x_saved, qw, qx.transposed is not None
 
 
 def backward_products(

@@ -107,7 +107,8 @@ def grouped_linear(
     costs one device synchronization, as ``torch.nn.functional.grouped_mm``'s
     callers also pay to size its output). In compiled code a tensor stays on
     the device where the recipe and backend allow (see
-    :mod:`scalestate.nn.grouped_device`): one graph for every routing.
+    :mod:`scalestate.nn.grouped_device` and :mod:`scalestate.nn.grouped_opaque`):
+    one graph for every routing.
 
     Args:
         x: ``(T, in_features)``, ordered by expert.

@@ -14,8 +14,8 @@ run through the backend's ``grouped_scaled_mm`` (which adds each expert's
 bias to its product), each expert's bias gradient is its own rows' sum through
 one opaque operator (``scalestate::grouped_sum``), and only experts with
 tokens record their amaxes. The outputs, gradients and the state after each
-step are the eager layer's, bitwise. Fine-grained recipes (but NVFP4) on the
-emulation backend take :mod:`scalestate.nn.grouped_fine` instead.
+step are the eager layer's, bitwise. Other recipes (but NVFP4) and backends
+(the emulation and ``scaled_mm`` ones) take :mod:`scalestate.nn.grouped_opaque`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import Tensor
 from scalestate.backends import GroupedOperand, SupportsDeviceGroups
 from scalestate.errors import ArgumentTypeError, ArgumentValueError
 from scalestate.handle import ScalingHandle
-from scalestate.nn.grouped_fine import DeviceFineGroupedFunction, describe_cast
+from scalestate.nn.grouped_opaque import opaque_grouped_linear
 from scalestate.recipe import Role
 
 __all__ = ["DeviceGroupedFP8LinearFunction", "device_grouped_linear", "grouped_sum"]
@@ -55,22 +55,18 @@ def device_grouped_linear(
         )
     if group_sizes.device != x.device:
         raise ArgumentValueError(f"{where}: group_sizes is on {group_sizes.device}, the input on {x.device}")
+    if x.shape[0] == 0:  # as eager: nothing to cast or multiply, and no gradient for the parameters
+        return x.new_zeros((0, out_features), dtype=out_dtype)
     manager = handles[0].manager
     slots = tuple(tuple(h._slot(role) for h in handles) for role in (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT))
     groups = manager._device_groups
-    per_tensor = all(groups.takes(group, x.device) for group in slots)
-    if not per_tensor and not groups.takes_fine(slots, x.device):
-        return None
+    if not all(groups.takes(group, x.device) for group in slots):
+        products = groups.opaque_products(slots, x.device)
+        if products is None:
+            return None
+        return opaque_grouped_linear(x, weight, bias, group_sizes, slots, products, manager, out_dtype)
     counts = group_sizes.to(torch.int64)
     active = counts > 0
-    if not per_tensor:  # a fine-grained recipe: each expert's casts inside two operators (grouped_fine)
-        casts = tuple(describe_cast(group[0].spec) for group in slots)
-        fine: tuple[Tensor, Tensor, Tensor] = DeviceFineGroupedFunction.apply(  # type: ignore[no-untyped-call]
-            x, weight, bias, counts.cumsum(0).to(torch.int32), active, casts, out_dtype, manager, slots[2]
-        )
-        groups.record(slots[0], fine[1], active)
-        groups.record(slots[1], fine[2], active)
-        return fine[0]
     qx = groups.cast_rows(slots[0], x, counts, active)
     rows_per_expert = torch.full((n_experts,), out_features, dtype=torch.int64, device=x.device)
     qw = groups.cast_rows(slots[1], weight.detach().reshape(-1, in_features), rows_per_expert, active)
