@@ -23,6 +23,7 @@ from torch._dynamo.utils import counters
 import scalestate as ss
 from helpers import Record, assert_bitwise, train
 from sac_programs import Policy, Program, Region, differences, run
+from scalestate.testing import assert_same
 
 RECIPES = {"delayed": ss.DelayedScaling(history_len=4), "current": ss.CurrentScaling()}
 #: Fine-grained recipes (as in conftest.RECIPES), each on the one backend of
@@ -263,3 +264,31 @@ class TestSelectiveInCompiledRegion:
         assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
         assert not counters["graph_break"], dict(counters["graph_break"])
         assert not found, f"differs from eager without checkpointing in: {', '.join(found[:8])}"
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("layer", ["linear", "grouped"])
+def test_non_contiguous_output_gradient_is_bitwise_eager(layer: str) -> None:
+    """An output gradient laid out column-major (a loss on y.t()): compiled code gets it made contiguous
+    (AOT autograd does so), and eager code sums it the same way, so the bias gradient (and the rest) is
+    bitwise eager's. Both an ss.nn.Linear and a grouped layer (sizes on the device)."""
+
+    def run(compiled: bool) -> list:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        if layer == "linear":
+            module: torch.nn.Module = ss.nn.Linear(64, 48, bias=True, manager=manager, name="l")
+            args: tuple = ()
+        else:
+            module = ss.nn.GroupedLinear(3, 64, 48, bias=True, manager=manager, name="moe")
+            args = (torch.tensor([120, 0, 80]),)
+        fn = torch.compile(module, backend="aot_eager", fullgraph=True) if compiled else module
+        x = torch.randn(200, 64, requires_grad=True)
+        with manager.forward():
+            y = fn(x, *args)
+        with manager.backward():
+            (y.t() * torch.randn(48, 200)).sum().backward()
+        return [y.detach(), x.grad, *(p.grad for p in module.parameters()), manager.state_dict()]
+
+    assert_same(run(True), run(False), name=f"compiled vs eager, {layer}, column-major output gradient")

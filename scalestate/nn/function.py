@@ -61,6 +61,9 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        # Row-major, as compiled code hands it over (AOT autograd makes gradients contiguous): a sum over
+        # another layout (the bias gradient) adds in another order, and compiled code would differ.
+        grad_out = grad_out.contiguous()
         saved = ctx.saved_tensors
         qx = Quantized.unflatten(saved[: ctx.n_x], ctx.x_layout)
         qw = Quantized.unflatten(saved[ctx.n_x :], ctx.w_layout)

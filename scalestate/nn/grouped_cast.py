@@ -218,6 +218,7 @@ class GroupedFP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        grad_out = grad_out.contiguous()  # as compiled code has it (see FP8LinearFunction.backward)
         w_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
