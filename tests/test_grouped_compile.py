@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import scalestate as ss
-from helpers import assert_same_quantized
+from helpers import RECIPES, assert_same_quantized
 from scalestate.backends import CastRequest, GroupedCastRequest, GroupedOperand, SupportsDeviceGroups
 from scalestate.backends.base import cast_spec
 from scalestate.backends.emulation import EmulationBackend
@@ -145,15 +145,20 @@ FINE_SIZES = [[130, 0, 40, 1], [0, 161, 10, 0], [33, 33, 0, 105], [1, 0, 0, 170]
 FINE_RECIPES = [ss.RowwiseScaling(), ss.BlockScaling(), ss.BlockScaling(block=8), ss.MXFP8Scaling()]
 
 
-@pytest.mark.parametrize("recipe", FINE_RECIPES, ids=["rowwise", "block128", "block8", "mxfp8"])
+@pytest.mark.parametrize(
+    "recipe", [*FINE_RECIPES, RECIPES["nvfp4"]], ids=["rowwise", "block128", "block8", "mxfp8", "nvfp4"]
+)
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_fine_grained_recipes_compile_once_for_every_routing(recipe: ss.Recipe, bias: bool) -> None:
-    """Fine-grained recipes (row-wise, 1x128 tiles with 128x128 weight blocks, MX): each expert's casts
-    run inside two operators of their own, so the sizes stay on the device: one graph for every routing
-    (groups longer than a block along the tokens, empty and 1-token experts), bitwise the eager layer:
-    outputs, gradients (the bias's too) and each expert's amax histories."""
-    got, frames = _run(recipe, "aot_eager", bias=bias, sizes_per_step=FINE_SIZES)
-    want, _ = _run(recipe, None, bias=bias, sizes_per_step=FINE_SIZES)
+    """Fine-grained recipes (row-wise, 1x128 tiles with 128x128 weight blocks, MX, and NVFP4 with a delayed
+    tensor level, the random Hadamard transform and stochastic rounding): each expert's casts run inside
+    two operators of their own, so the sizes stay on the device: one graph for every routing (groups
+    longer than a block along the tokens, empty and 1-token experts), bitwise the eager layer: outputs,
+    gradients (the bias's too), each expert's amax histories and scales. Two microbatches per step (the
+    second routed the other way round), so that an expert empty in the first and not in the second draws
+    NVFP4's stochastic rounding as eager does (a draw is counted for the experts with tokens only)."""
+    got, frames = _run(recipe, "aot_eager", bias=bias, sizes_per_step=FINE_SIZES, microbatches=2)
+    want, _ = _run(recipe, None, bias=bias, sizes_per_step=FINE_SIZES, microbatches=2)
     assert frames == 1
     assert_same(got, want, name=f"compiled {type(recipe).__name__} vs eager")
 
@@ -194,7 +199,9 @@ def test_backends_without_grouped_products_run_the_operators(recipe: ss.Recipe, 
     assert_same(got, want, name=f"compiled scaled_mm {type(recipe).__name__} through the operators vs eager")
 
 
-@pytest.mark.parametrize("recipe", [ss.DelayedScaling(), ss.BlockScaling(block=8)], ids=["delayed", "block8"])
+@pytest.mark.parametrize(
+    "recipe", [ss.DelayedScaling(), ss.BlockScaling(block=8), RECIPES["nvfp4"]], ids=["delayed", "block8", "nvfp4"]
+)
 @pytest.mark.parametrize("products", ["emulation", "scaled_mm:emulation"])
 def test_opaque_operators_pass_torchs_checks(recipe: ss.Recipe, products: str) -> None:
     """The two operators that run a grouped layer's experts in compiled code where a grouped cast cannot:
@@ -204,10 +211,11 @@ def test_opaque_operators_pass_torchs_checks(recipe: ss.Recipe, products: str) -
     offsets = torch.tensor([5, 5, 6, 18], dtype=torch.int32)  # 2 rows past the last group: zeros
     x, w, g = torch.randn(20, IN), torch.randn(E, OUT, IN), torch.randn(20, OUT)
     scales, jit = torch.rand(3, E) + 0.5, torch.tensor([True, False, True, False]).expand(3, E)
-    forward = (x, w, torch.randn(E, OUT), offsets, scales[:2], jit[:2], *specs[:2], products, torch.bfloat16)
+    signs, keys = torch.ones(16), torch.arange(E, dtype=torch.int64)
+    forward = (x, w, torch.randn(E, OUT), offsets, scales[:2], jit[:2], signs, *specs[:2], products, torch.bfloat16)
     torch.library.opcheck(torch.ops.scalestate.grouped_experts_forward, forward)
     for need_x, need_w in [(True, True), (True, False), (False, True)]:
-        backward = (g, x, w, offsets, scales, jit, *specs, products, need_x, need_w)
+        backward = (g, x, w, offsets, scales, jit, signs, keys, *specs, products, need_x, need_w)
         torch.library.opcheck(torch.ops.scalestate.grouped_experts_backward, backward)
     out = torch.ops.scalestate.grouped_experts_forward(*forward)[0]
     assert out.shape == (20, OUT) and not out[18:].any()

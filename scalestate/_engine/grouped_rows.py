@@ -50,6 +50,16 @@ class DeviceGroups:
         """:func:`scales_and_jit`."""
         return scales_and_jit(self._caster, slots)
 
+    def randomness(self, slots: Sequence[Slot], active: Tensor) -> tuple[Tensor, Tensor]:
+        """NVFP4's RHT signs and each slot's stochastic-rounding key (zeros where its casts do not round
+        stochastically), counting a cast for the active slots only, as eager casts of the slots with rows
+        would count theirs."""
+        st = self._caster._state
+        if not slots[0].spec.stochastic:
+            return st.random.signs, torch.zeros(len(slots), dtype=torch.int64, device=st.device)
+        rows = torch.cat([st.row_index(slot) for slot in slots])
+        return st.random.signs, st.random.sr_keys(rows, active)
+
     def cast_rows(self, slots: Sequence[Slot], x: Tensor, counts: Tensor, active: Tensor) -> GroupedRows:
         """:func:`cast_rows`."""
         return cast_rows(self._caster, slots, x, counts, active)
@@ -78,13 +88,13 @@ def opaque_products(caster: Caster, slot_groups: Sequence[Sequence[Slot]], devic
     """Whether compiled code can run a grouped layer through the opaque operators of
     `scalestate.nn.grouped_opaque` with the sizes on the device: the description of the backend they
     rebuild (its ``_products_key()``: the emulation and ``scaled_mm`` backends, not their subclasses),
-    or ``None``. Each role's slots (``slot_groups``, one sequence per role) must share one spec other
-    than NVFP4's, and no statistics be kept."""
+    or ``None``. Each role's slots (``slot_groups``, one sequence per role) must share one spec, and no
+    statistics be kept."""
     if not torch.compiler.is_compiling() or caster._stats or not all(slot_groups):
         return None
     for slots in slot_groups:
         spec = slots[0].spec
-        if spec.nvfp4 or any(slot.spec != spec for slot in slots):
+        if any(slot.spec != spec for slot in slots):
             return None
     settle_during_trace(caster._binding, device)
     key = getattr(caster._binding.backend, "_products_key", None)

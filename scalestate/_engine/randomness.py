@@ -91,6 +91,15 @@ class Randomness:
         assert isinstance(key, Tensor)
         return key
 
+    def sr_keys(self, rows: Tensor, counted: Tensor) -> Tensor:
+        """``[G]`` keys of the next stochastically rounded casts of ``rows`` (an int64 index tensor), each
+        :meth:`sr_key`'s; counts a cast for the rows where ``counted`` (a ``[G]`` bool tensor) only."""
+        it = self._iteration
+        key = stream_key(self._seed_key, self._slot_keys[rows], it & 0xFFFFFFFF, it >> 32, self._ordinals[rows])
+        self._ordinals.index_add_(0, rows, counted.to(torch.int64))
+        assert isinstance(key, Tensor)
+        return key
+
     def set_seed(self, seed: int, signs: Tensor | None = None) -> None:
         """Make ``seed`` the one drawn from (and ``signs`` as loaded, or those drawn from it), in place."""
         self._seed = seed

@@ -14,8 +14,8 @@ run through the backend's ``grouped_scaled_mm`` (which adds each expert's
 bias to its product), each expert's bias gradient is its own rows' sum through
 one opaque operator (``scalestate::grouped_sum``), and only experts with
 tokens record their amaxes. The outputs, gradients and the state after each
-step are the eager layer's, bitwise. Other recipes (but NVFP4) and backends
-(the emulation and ``scaled_mm`` ones) take :mod:`scalestate.nn.grouped_opaque`.
+step are the eager layer's, bitwise. Other recipes and backends (the emulation
+and ``scaled_mm`` ones) take :mod:`scalestate.nn.grouped_opaque`.
 """
 
 from __future__ import annotations

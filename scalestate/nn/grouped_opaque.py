@@ -1,4 +1,4 @@
-"""Compiled grouped layers through two opaque operators: one graph for every routing, any recipe but NVFP4.
+"""Compiled grouped layers through two opaque operators: one graph for every routing, any recipe.
 
 :mod:`scalestate.nn.grouped_device` casts every expert at once, which gives
 the bits of one cast per expert only where a cast's scales do not depend on
@@ -19,8 +19,10 @@ eager's: outputs, gradients, histories and scales.
 
 The cost: the backward casts each expert's input and weight again (with the
 forward's scales, so the same bits), so the input is kept for backward in
-its own precision, not in FP8. Not taken for NVFP4 (whose casts draw on the
-manager's random state) or with ``collect_stats``.
+its own precision, not in FP8. NVFP4's randomness is the manager's, read in
+the graph: the RHT signs, and each expert's stochastic-rounding key, counted
+for the experts with tokens only, as eager counts its casts. Not taken with
+``collect_stats``.
 """
 
 from __future__ import annotations
@@ -67,13 +69,17 @@ def describe_spec(spec: CastSpec) -> str:
     rule, g = spec.rule, spec.granularity
     dtype = str(spec.dtype).removeprefix("torch.")
     fine = "" if g is None else f"{GranularityKind(g.kind).value}|{g.block}|{int(g.power_of_2)}"
-    return f"{dtype}|{spec.fp8_max}|{rule.amax_compute}|{rule.margin}|{int(rule.power_of_2)}|{rule.amax_floor}|{fine}"
+    flags = f"{int(spec.hadamard)}{int(spec.stochastic)}"
+    return (
+        f"{dtype}|{spec.fp8_max}|{flags}|{rule.amax_compute}|{rule.margin}|{int(rule.power_of_2)}|"
+        f"{rule.amax_floor}|{fine}"
+    )
 
 
 @functools.cache
 def _spec(description: str) -> CastSpec:
     """The spec :func:`describe_spec` described."""
-    dtype, fp8_max, amax_compute, margin, power_of_2, amax_floor, *fine = description.split("|")
+    dtype, fp8_max, flags, amax_compute, margin, power_of_2, amax_floor, *fine = description.split("|")
     rule = ScaleRule(
         amax_compute=amax_compute,  # type: ignore[arg-type]  # one of the two literals, as described
         margin=int(margin),
@@ -81,7 +87,7 @@ def _spec(description: str) -> CastSpec:
         amax_floor=float(amax_floor),
     )
     granularity = None if fine == [""] else Granularity(GranularityKind(fine[0]), int(fine[1]), fine[2] == "1")
-    return CastSpec(getattr(torch, dtype), float(fp8_max), rule, granularity)
+    return CastSpec(getattr(torch, dtype), float(fp8_max), rule, granularity, flags[0] == "1", flags[1] == "1")
 
 
 def opaque_grouped_linear(
@@ -101,9 +107,10 @@ def opaque_grouped_linear(
     active = counts > 0
     (x_scale, x_jit), (w_scale, w_jit) = groups.scales_and_jit(slots[0]), groups.scales_and_jit(slots[1])
     specs = tuple(describe_spec(group[0].spec) for group in slots)
+    signs, _ = groups.randomness(slots[0], active)
     out: tuple[Tensor, Tensor, Tensor] = OpaqueGroupedFunction.apply(  # type: ignore[no-untyped-call]
         x, weight, bias, counts.cumsum(0).to(torch.int32), active, torch.stack([x_scale, w_scale]),
-        torch.stack([x_jit, w_jit]), specs, products, out_dtype, manager, slots[2],
+        torch.stack([x_jit, w_jit]), signs, specs, products, out_dtype, manager, slots[2],
     )
     groups.record(slots[0], out[1], active)
     groups.record(slots[1], out[2], active)
@@ -125,6 +132,13 @@ def _with_tail(parts: list[Tensor], rows: int, cols: int, dtype: torch.dtype, li
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _request(
+    x: Tensor, spec: CastSpec, scale: Tensor, jit: Tensor, record: Tensor | None, transpose: bool, signs: Tensor
+) -> CastRequest:
+    """The cast eager code asks of the backend (the RHT signs where the spec transforms)."""
+    return CastRequest(x, spec, scale, jit, record, transpose, signs if spec.hadamard else None)
+
+
 def _transpose(backend: Backend, x: Tensor, x_spec: CastSpec) -> bool:
     """Whether the casts make both orientations, as :func:`scalestate.nn.grouped_linear` asks."""
     return backend.wants_transposed(x.device) or x_spec.granularity is not None
@@ -138,6 +152,7 @@ def grouped_experts_forward(
     offsets: Tensor,
     scales: Tensor,
     jit: Tensor,
+    signs: Tensor,
     x_spec: str,
     w_spec: str,
     products: str,
@@ -145,14 +160,15 @@ def grouped_experts_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Each expert's ``x_e @ weight[e].T + bias[e]``, cast and multiplied as eager grouped layers do:
     ``(out, x_amax, w_amax)``. ``scales`` and ``jit`` (``[2, E]``: the input's, the weight's) are the
-    slots' scales and whether each casts just in time; the amaxes are each expert's (0 without rows)."""
+    slots' scales and whether each casts just in time; ``signs``: NVFP4's RHT signs (unused otherwise);
+    the amaxes are each expert's (0 without rows)."""
     backend, specs = _backend(products), (_spec(x_spec), _spec(w_spec))
     transpose = _transpose(backend, x, specs[0])
     amax = x.new_zeros((2, offsets.shape[0]), dtype=torch.float32)
     outs = []
     for g, s, e in _groups(offsets):
-        qx = backend.cast(CastRequest(x[s:e], specs[0], scales[0, g], jit[0, g], amax[0, g], transpose))
-        qw = backend.cast(CastRequest(weight[g], specs[1], scales[1, g], jit[1, g], amax[1, g], transpose))
+        qx = backend.cast(_request(x[s:e], specs[0], scales[0, g], jit[0, g], amax[0, g], transpose, signs))
+        qw = backend.cast(_request(weight[g], specs[1], scales[1, g], jit[1, g], amax[1, g], transpose, signs))
         outs.append(forward_product(backend, qx, qw, out_dtype, None if bias is None else bias[g])[0])
     out = _with_tail(outs, x.shape[0], weight.shape[1], out_dtype, x)
     return out, amax[0].clone(), amax[1].clone()
@@ -166,6 +182,7 @@ def _(
     offsets: Tensor,
     scales: Tensor,
     jit: Tensor,
+    signs: Tensor,
     x_spec: str,
     w_spec: str,
     products: str,
@@ -183,6 +200,8 @@ def grouped_experts_backward(
     offsets: Tensor,
     scales: Tensor,
     jit: Tensor,
+    signs: Tensor,
+    keys: Tensor,
     x_spec: str,
     w_spec: str,
     g_spec: str,
@@ -192,7 +211,8 @@ def grouped_experts_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Each expert's input and weight gradients, cast and multiplied as eager grouped layers do:
     ``(grad_x, grad_w, g_amax)``. ``scales`` and ``jit`` are ``[3, E]`` (the input's and the weight's
-    as the forward had them, the output gradient's); ``grad_x`` (``x``'s dtype) and ``grad_w``
+    as the forward had them, the output gradient's); ``keys``: each expert's stochastic-rounding key for
+    its output gradient (unused where it does not round stochastically); ``grad_x`` (``x``'s dtype) and ``grad_w``
     (``weight``'s, zeros for an expert without rows) are empty where not needed."""
     backend, specs = _backend(products), (_spec(x_spec), _spec(w_spec), _spec(g_spec))
     transpose = _transpose(backend, x, specs[0])
@@ -201,10 +221,11 @@ def grouped_experts_backward(
     dtypes = (x.dtype if need_x else None, weight.dtype if need_w else None)
     parts = []
     for g, s, e in _groups(offsets):
-        qx = backend.cast(CastRequest(x[s:e], specs[0], scales[0, g], jit[0, g], None, transpose))
-        qw = backend.cast(CastRequest(weight[g], specs[1], scales[1, g], jit[1, g], None, transpose))
+        qx = backend.cast(_request(x[s:e], specs[0], scales[0, g], jit[0, g], None, transpose, signs))
+        qw = backend.cast(_request(weight[g], specs[1], scales[1, g], jit[1, g], None, transpose, signs))
         x_saved, w_saved, x_is_transposed = saved_operands(qx, qw)
-        qg = backend.cast(CastRequest(grad_out[s:e], specs[2], scales[2, g], jit[2, g], amax_g[g], x_is_transposed))
+        g_request = _request(grad_out[s:e], specs[2], scales[2, g], jit[2, g], amax_g[g], x_is_transposed, signs)
+        qg = backend.cast(g_request._replace(sr_key=keys[g] if specs[2].stochastic else None))
         gx, gw = backward_products(backend, qg, x_saved, w_saved, x_is_transposed, dtypes)
         if gx is not None:
             parts.append(gx)
@@ -222,6 +243,8 @@ def _(
     offsets: Tensor,
     scales: Tensor,
     jit: Tensor,
+    signs: Tensor,
+    keys: Tensor,
     x_spec: str,
     w_spec: str,
     g_spec: str,
@@ -248,6 +271,7 @@ class OpaqueGroupedFunction(torch.autograd.Function):
         active: Tensor,
         scales: Tensor,
         jit: Tensor,
+        signs: Tensor,
         specs: tuple[str, str, str],
         products: str,
         out_dtype: torch.dtype,
@@ -255,9 +279,9 @@ class OpaqueGroupedFunction(torch.autograd.Function):
         grad_slots: Sequence[Any],
     ) -> tuple[Tensor, Tensor, Tensor]:
         out, amax_x, amax_w = torch.ops.scalestate.grouped_experts_forward(
-            x, weight, bias, offsets, scales, jit, specs[0], specs[1], products, out_dtype
+            x, weight, bias, offsets, scales, jit, signs, specs[0], specs[1], products, out_dtype
         )
-        ctx.save_for_backward(x, weight, offsets, active, scales, jit)
+        ctx.save_for_backward(x, weight, offsets, active, scales, jit, signs)
         ctx.mark_non_differentiable(amax_x, amax_w)
         ctx.specs, ctx.products, ctx.manager, ctx.grad_slots = specs, products, manager, grad_slots
         ctx.b_dtype = None if bias is None else bias.dtype
@@ -265,18 +289,19 @@ class OpaqueGroupedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
-        x, weight, offsets, active, scales, jit = ctx.saved_tensors
+        x, weight, offsets, active, scales, jit, signs = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if need_x or need_w:
             groups = ctx.manager._device_groups
             g_scale, g_jit = groups.scales_and_jit(ctx.grad_slots)
+            _, keys = groups.randomness(ctx.grad_slots, active)
             gx, gw, amax_g = torch.ops.scalestate.grouped_experts_backward(
                 grad_out, x, weight, offsets, torch.cat([scales, g_scale[None]]), torch.cat([jit, g_jit[None]]),
-                *ctx.specs, ctx.products, need_x, need_w,
+                signs, keys, *ctx.specs, ctx.products, need_x, need_w,
             )
             groups.record(ctx.grad_slots, amax_g, active)
             grad_x, grad_w = (gx if need_x else None), (gw if need_w else None)
         if need_b:  # each expert's rows summed as ss.nn.Linear sums its bias gradient
             grad_b = torch.ops.scalestate.grouped_sum(grad_out, offsets).to(ctx.b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
