@@ -23,7 +23,7 @@ no fine-grained ones.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -36,6 +36,7 @@ from scalestate.quantized import FP4_DTYPE, Quantized
 from scalestate.recipe import NVFP4Scaling, Recipe, Role, fp8_max
 
 __all__ = [
+    "HOST_READ_OP",
     "Backend",
     "CastRequest",
     "CastSpec",
@@ -50,6 +51,13 @@ __all__ = [
     "granularity_label",
     "recipe_granularities",
 ]
+
+#: The keyword arguments of ``torch.library.custom_op`` for an operator that reads group sizes on the host
+#: when it runs (a device synchronization on a GPU): tagged ``torch.Tag.cudagraph_unsafe`` where this torch
+#: has the tag, so that CUDA graphs (``mode="reduce-overhead"``) leave it out of their capture.
+HOST_READ_OP: dict[str, Any] = (
+    {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
+)
 
 
 @attrs.frozen

@@ -16,7 +16,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from scalestate.backends.base import CastRequest, GroupedCastRequest, GroupedOperand, GroupedRows, StepUpdate
+from scalestate.backends.base import (
+    HOST_READ_OP,
+    CastRequest,
+    GroupedCastRequest,
+    GroupedOperand,
+    GroupedRows,
+    StepUpdate,
+)
 from scalestate.errors import CastError
 from scalestate.finegrained import quantize as fine_quantize
 from scalestate.granularity import GranularityKind
@@ -260,7 +267,7 @@ def _chosen(request: CastRequest | GroupedCastRequest, own: Callable[[], Tensor]
     return scale if request.jit is True else torch.where(request.jit, scale, request.scale)
 
 
-@torch.library.custom_op("scalestate::grouped_mm", mutates_args=())
+@torch.library.custom_op("scalestate::grouped_mm", mutates_args=(), **HOST_READ_OP)
 def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False, bias: Tensor | None = None) -> Tensor:
     """Each group's ``torch.mm``, grouped as ``torch.nn.functional.grouped_mm`` groups (see
     :meth:`SupportsDeviceGroups.grouped_scaled_mm <scalestate.backends.SupportsDeviceGroups.grouped_scaled_mm>`),

@@ -267,28 +267,45 @@ class TestSelectiveInCompiledRegion:
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("layer", ["linear", "grouped"])
-def test_non_contiguous_output_gradient_is_bitwise_eager(layer: str) -> None:
-    """An output gradient laid out column-major (a loss on y.t()): compiled code gets it made contiguous
-    (AOT autograd does so), and eager code sums it the same way, so the bias gradient (and the rest) is
-    bitwise eager's. Both an ss.nn.Linear and a grouped layer (sizes on the device)."""
+@pytest.mark.parametrize("loss_compiled", [False, True], ids=["loss_outside", "loss_inside"])
+@pytest.mark.parametrize(
+    ("layer", "recipe"),
+    [("linear", "delayed"), ("grouped", "delayed"), ("grouped", "mxfp8")],
+    ids=["linear", "grouped", "grouped_mxfp8"],
+)
+def test_non_contiguous_output_gradient_is_bitwise_eager(layer: str, recipe: str, loss_compiled: bool) -> None:
+    """An output gradient laid out column-major (a loss on y.t()), the loss outside the compiled region
+    (AOT autograd hands the graph a contiguous gradient) or inside it (the traced backward hands the
+    layer whatever layout it makes): eager and compiled layers both sum it row-major, so the bias
+    gradient (and the rest) is bitwise eager's. An ss.nn.Linear, and grouped layers with the sizes on the
+    device (delayed: grouped casts; MXFP8: each expert inside the two operators)."""
+    chosen = {"delayed": ss.DelayedScaling(), "mxfp8": ss.MXFP8Scaling()}[recipe]
 
     def run(compiled: bool) -> list:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+        manager = ss.ScalingStateManager(chosen, backend="emulation")
         if layer == "linear":
             module: torch.nn.Module = ss.nn.Linear(64, 48, bias=True, manager=manager, name="l")
             args: tuple = ()
         else:
             module = ss.nn.GroupedLinear(3, 64, 48, bias=True, manager=manager, name="moe")
             args = (torch.tensor([120, 0, 80]),)
-        fn = torch.compile(module, backend="aot_eager", fullgraph=True) if compiled else module
-        x = torch.randn(200, 64, requires_grad=True)
-        with manager.forward():
-            y = fn(x, *args)
-        with manager.backward():
-            (y.t() * torch.randn(48, 200)).sum().backward()
-        return [y.detach(), x.grad, *(p.grad for p in module.parameters()), manager.state_dict()]
 
-    assert_same(run(True), run(False), name=f"compiled vs eager, {layer}, column-major output gradient")
+        def loss(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            return (module(x, *args).t() * weights).sum()
+
+        fn = module
+        if compiled:
+            fn = torch.compile(module, backend="aot_eager", fullgraph=True)
+            if loss_compiled:
+                loss = torch.compile(loss, backend="aot_eager", fullgraph=True)
+        x = torch.randn(200, 64, requires_grad=True)
+        weights = torch.randn(48, 200)
+        with manager.forward():
+            value = loss(x, weights) if loss_compiled else (fn(x, *args).t() * weights).sum()
+        with manager.backward():
+            value.backward()
+        return [value.detach(), x.grad, *(p.grad for p in module.parameters()), manager.state_dict()]
+
+    assert_same(run(True), run(False), name=f"compiled vs eager, {layer} {recipe}, column-major output gradient")

@@ -424,3 +424,13 @@ def test_bad_device_sizes_are_refused() -> None:
     refused = pytest.raises(ss.errors.ArgumentTypeError, match="group_sizes must be a 1-d integer tensor")
     with manager.forward(), refused:
         run(torch.randn(8, IN), torch.tensor([[4, 4]]))
+
+
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag")
+def test_operators_that_read_sizes_on_the_host_stay_out_of_cuda_graphs() -> None:
+    """The operators that read group ends on the host when they run (a device synchronization) are tagged
+    cudagraph_unsafe, so that torch.compile(mode="reduce-overhead") does not capture them in a CUDA graph."""
+    import scalestate.backends.emulation  # noqa: F401  (registers scalestate::grouped_mm)
+
+    for name in ("grouped_mm", "grouped_sum", "grouped_experts_forward", "grouped_experts_backward"):
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.scalestate, name).default.tags, name

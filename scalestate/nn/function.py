@@ -61,8 +61,9 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        # Row-major, as compiled code hands it over (AOT autograd makes gradients contiguous): a sum over
-        # another layout (the bias gradient) adds in another order, and compiled code would differ.
+        # Row-major, whatever its layout: a sum over another layout (the bias gradient) adds in another
+        # order, and compiled code, where AOT autograd makes the gradients of a graph's outputs contiguous
+        # but a gradient produced inside the graph may be laid out otherwise, would differ from eager.
         grad_out = grad_out.contiguous()
         saved = ctx.saved_tensors
         qx = Quantized.unflatten(saved[: ctx.n_x], ctx.x_layout)

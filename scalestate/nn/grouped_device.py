@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from scalestate.backends import GroupedOperand, SupportsDeviceGroups
+from scalestate.backends.base import HOST_READ_OP
 from scalestate.errors import ArgumentTypeError, ArgumentValueError
 from scalestate.handle import ScalingHandle
 from scalestate.nn.grouped_opaque import opaque_grouped_linear
@@ -113,6 +114,7 @@ class DeviceGroupedFP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        grad_out = grad_out.contiguous()  # as eager has it (see FP8LinearFunction.backward)
         x_data, x_scale_inv, group_of_row, w_data, w_scale_inv, counts, active, offsets = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         backend: SupportsDeviceGroups = ctx.backend
@@ -136,7 +138,7 @@ class DeviceGroupedFP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None, None
 
 
-@torch.library.custom_op("scalestate::grouped_sum", mutates_args=())
+@torch.library.custom_op("scalestate::grouped_sum", mutates_args=(), **HOST_READ_OP)
 def grouped_sum(x: Tensor, offsets: Tensor) -> Tensor:
     """``(G, N)`` float32: row ``g`` is ``x[start_g:end_g].sum(0, dtype=torch.float32)`` over group ``g``'s
     rows of the 2-d ``x`` (``offsets``: ``[G]`` int32 ends, as ``torch.nn.functional.grouped_mm`` takes

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from scalestate.backends.base import Backend, CastRequest, CastSpec
+from scalestate.backends.base import HOST_READ_OP, Backend, CastRequest, CastSpec
 from scalestate.granularity import Granularity, GranularityKind
 from scalestate.math import ScaleRule
 from scalestate.nn.function import backward_products, forward_product, saved_operands
@@ -144,7 +144,7 @@ def _transpose(backend: Backend, x: Tensor, x_spec: CastSpec) -> bool:
     return backend.wants_transposed(x.device) or x_spec.granularity is not None
 
 
-@torch.library.custom_op("scalestate::grouped_experts_forward", mutates_args=())
+@torch.library.custom_op("scalestate::grouped_experts_forward", mutates_args=(), **HOST_READ_OP)
 def grouped_experts_forward(
     x: Tensor,
     weight: Tensor,
@@ -192,7 +192,7 @@ def _(
     return x.new_empty((x.shape[0], weight.shape[1]), dtype=out_dtype), amax, torch.empty_like(amax)
 
 
-@torch.library.custom_op("scalestate::grouped_experts_backward", mutates_args=())
+@torch.library.custom_op("scalestate::grouped_experts_backward", mutates_args=(), **HOST_READ_OP)
 def grouped_experts_backward(
     grad_out: Tensor,
     x: Tensor,
@@ -289,6 +289,7 @@ class OpaqueGroupedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
+        grad_out = grad_out.contiguous()  # as eager has it (see FP8LinearFunction.backward)
         x, weight, offsets, active, scales, jit, signs = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
