@@ -45,13 +45,14 @@ def _run(
     backend: str = "emulation",
     sizes_per_step: list[list[int]] = SIZES,
     device: str = "cpu",
+    stats: bool = False,
 ) -> tuple[list, int]:
     """Train a GroupedLinear over SIZES (sizes as tensors), compiled with ``compiler`` or eager (``None``):
     (outputs, gradients and state after every step, number of compiled frames). ``microbatches``: passes
     per step, the later ones with the step's sizes reversed; ``checkpoint``: the layer is checkpointed."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    manager = ss.ScalingStateManager(recipe, backend=backend)
+    manager = ss.ScalingStateManager(recipe, backend=backend, collect_stats=stats)
     layer = ss.nn.GroupedLinear(E, IN, OUT, bias=bias, manager=manager, name="moe").to(device)
     model = _Checkpointed(layer) if checkpoint else layer
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
@@ -73,6 +74,8 @@ def _run(
         opt.zero_grad()
         manager.step()
         out.append(manager.state_dict())
+        if stats:
+            out.append({name: list(values.values()) for name, values in manager.stats().items()})
     return out, counter.frame_count if counter else 0
 
 
@@ -186,6 +189,22 @@ def test_scaled_mm_fine_grained_recipes_compile_once(recipe: ss.Recipe) -> None:
     assert_same(got, want, name=f"compiled scaled_mm {type(recipe).__name__} vs eager")
 
 
+@pytest.mark.parametrize(
+    "recipe",
+    [ss.DelayedScaling(history_len=4), ss.RowwiseScaling(), RECIPES["nvfp4"]],
+    ids=["delayed", "rowwise", "nvfp4"],
+)
+def test_collect_stats_on_the_device(recipe: ss.Recipe) -> None:
+    """collect_stats=True: the operators count what each expert's casts did, added to the slots of the
+    experts with tokens only: one graph for every routing, and the statistics (and everything else) of
+    the eager layer, bitwise, over two microbatches per step."""
+    sizes = SIZES if recipe.granularity(ss.Role.INPUT) is None else FINE_SIZES
+    got, frames = _run(recipe, "aot_eager", bias=True, stats=True, microbatches=2, sizes_per_step=sizes)
+    want, _ = _run(recipe, None, bias=True, stats=True, microbatches=2, sizes_per_step=sizes)
+    assert frames == 1
+    assert_same(got, want, name=f"compiled vs eager with collect_stats, {type(recipe).__name__}")
+
+
 @pytest.mark.parametrize("recipe", [ss.DelayedScaling(history_len=4), ss.CurrentScaling()], ids=["delayed", "current"])
 def test_backends_without_grouped_products_run_the_operators(recipe: ss.Recipe, monkeypatch) -> None:
     """A per-tensor recipe on a backend whose grouped products are not its own on the device (scaled_mm on
@@ -212,10 +231,11 @@ def test_opaque_operators_pass_torchs_checks(recipe: ss.Recipe, products: str) -
     x, w, g = torch.randn(20, IN), torch.randn(E, OUT, IN), torch.randn(20, OUT)
     scales, jit = torch.rand(3, E) + 0.5, torch.tensor([True, False, True, False]).expand(3, E)
     signs, keys = torch.ones(16), torch.arange(E, dtype=torch.int64)
-    forward = (x, w, torch.randn(E, OUT), offsets, scales[:2], jit[:2], signs, *specs[:2], products, torch.bfloat16)
+    bias = torch.randn(E, OUT)
+    forward = (x, w, bias, offsets, scales[:2], jit[:2], signs, *specs[:2], products, torch.bfloat16, True)
     torch.library.opcheck(torch.ops.scalestate.grouped_experts_forward, forward)
     for need_x, need_w in [(True, True), (True, False), (False, True)]:
-        backward = (g, x, w, offsets, scales, jit, signs, keys, *specs, products, need_x, need_w)
+        backward = (g, x, w, offsets, scales, jit, signs, keys, *specs, products, need_x, need_w, need_w)
         torch.library.opcheck(torch.ops.scalestate.grouped_experts_backward, backward)
     out = torch.ops.scalestate.grouped_experts_forward(*forward)[0]
     assert out.shape == (20, OUT) and not out[18:].any()

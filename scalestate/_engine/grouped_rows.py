@@ -64,9 +64,14 @@ class DeviceGroups:
         """:func:`cast_rows`."""
         return cast_rows(self._caster, slots, x, counts, active)
 
-    def record(self, slots: Sequence[Slot], amax: Tensor, active: Tensor) -> None:
+    def record(self, slots: Sequence[Slot], amax: Tensor, active: Tensor, counts: Tensor | None = None) -> None:
         """:func:`record_groups`."""
-        record_groups(self._caster, slots, amax, active)
+        record_groups(self._caster, slots, amax, active, counts)
+
+    @property
+    def stats(self) -> bool:
+        """Whether the manager collects cast statistics."""
+        return self._caster._stats
 
 
 def takes_device_groups(caster: Caster, slots: Sequence[Slot], device: torch.device) -> bool:
@@ -88,9 +93,8 @@ def opaque_products(caster: Caster, slot_groups: Sequence[Sequence[Slot]], devic
     """Whether compiled code can run a grouped layer through the opaque operators of
     `scalestate.nn.grouped_opaque` with the sizes on the device: the description of the backend they
     rebuild (its ``_products_key()``: the emulation and ``scaled_mm`` backends, not their subclasses),
-    or ``None``. Each role's slots (``slot_groups``, one sequence per role) must share one spec, and no
-    statistics be kept."""
-    if not torch.compiler.is_compiling() or caster._stats or not all(slot_groups):
+    or ``None``. Each role's slots (``slot_groups``, one sequence per role) must share one spec."""
+    if not torch.compiler.is_compiling() or not all(slot_groups):
         return None
     for slots in slot_groups:
         spec = slots[0].spec
@@ -111,16 +115,22 @@ def scales_and_jit(caster: Caster, slots: Sequence[Slot]) -> tuple[Tensor, Tenso
     return st.scales.index_select(0, rows), jit
 
 
-def record_groups(caster: Caster, slots: Sequence[Slot], amax: Tensor, active: Tensor) -> None:
+def record_groups(
+    caster: Caster, slots: Sequence[Slot], amax: Tensor, active: Tensor, counts: Tensor | None = None
+) -> None:
     """Max ``amax[g]`` (a ``[G]`` float32 tensor) into ``slots[g]``'s accumulator where ``active[g]`` and
     the cast counts as recorded (not in a recompute or an evaluation), as each eager cast records
-    (NaN propagates)."""
+    (NaN propagates); with ``collect_stats``, add ``counts[g]`` (``[G, 4]`` int64: elements, then
+    `scalestate._engine.counting.cast_counts`'s three; zeros for a group without rows) to its
+    statistics too."""
     if caster._kind(slots[0], False, True) is not CastKind.RECORD:  # one phase, one role: every slot's kind
         return
     st = caster._state
     rows = torch.cat([st.row_index(slot) for slot in slots])
     kept = torch.where(active, amax, torch.zeros_like(amax))
     st.step_amax.index_copy_(0, rows, torch.maximum(st.step_amax.index_select(0, rows), kept))
+    if caster._stats and counts is not None:
+        st._counts.index_add_(0, rows, counts)  # zeros for a group without rows, which cast nothing
 
 
 def cast_rows(caster: Caster, slots: Sequence[Slot], x: Tensor, counts: Tensor, active: Tensor) -> GroupedRows:

@@ -21,8 +21,9 @@ The cost: the backward casts each expert's input and weight again (with the
 forward's scales, so the same bits), so the input is kept for backward in
 its own precision, not in FP8. NVFP4's randomness is the manager's, read in
 the graph: the RHT signs, and each expert's stochastic-rounding key, counted
-for the experts with tokens only, as eager counts its casts. Not taken with
-``collect_stats``.
+for the experts with tokens only, as eager counts its casts. With
+``collect_stats``, the operators also count what each expert's casts did
+(`scalestate._engine.counting.cast_counts`), added to the slots with tokens.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from scalestate._engine.counting import cast_counts
 from scalestate.backends.base import HOST_READ_OP, Backend, CastRequest, CastSpec
 from scalestate.granularity import Granularity, GranularityKind
 from scalestate.math import ScaleRule
 from scalestate.nn.function import backward_products, forward_product, saved_operands
+from scalestate.quantized import Quantized
 
 __all__ = [
     "OpaqueGroupedFunction",
@@ -108,12 +111,12 @@ def opaque_grouped_linear(
     (x_scale, x_jit), (w_scale, w_jit) = groups.scales_and_jit(slots[0]), groups.scales_and_jit(slots[1])
     specs = tuple(describe_spec(group[0].spec) for group in slots)
     signs, _ = groups.randomness(slots[0], active)
-    out: tuple[Tensor, Tensor, Tensor] = OpaqueGroupedFunction.apply(  # type: ignore[no-untyped-call]
+    out: tuple[Tensor, Tensor, Tensor, Tensor] = OpaqueGroupedFunction.apply(  # type: ignore[no-untyped-call]
         x, weight, bias, counts.cumsum(0).to(torch.int32), active, torch.stack([x_scale, w_scale]),
         torch.stack([x_jit, w_jit]), signs, specs, products, out_dtype, manager, slots[2],
     )
-    groups.record(slots[0], out[1], active)
-    groups.record(slots[1], out[2], active)
+    groups.record(slots[0], out[1], active, out[3][0])
+    groups.record(slots[1], out[2], active, out[3][1])
     return out[0]
 
 
@@ -121,6 +124,14 @@ def _groups(offsets: Tensor) -> list[tuple[int, int, int]]:
     """``(group, start, end)`` of each group with rows (``offsets``: ``[G]`` ends, read on the host)."""
     ends: list[int] = offsets.tolist()
     return [(g, s, e) for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends, strict=True)) if e > s]
+
+
+def _count(into: Tensor, x: Tensor, q: Quantized, spec: CastSpec, signs: Tensor) -> None:
+    """Write one cast's statistics into ``into`` (``[4]``: elements, then cast_counts's three), as eager
+    code adds them to the slot's."""
+    elements, counts = cast_counts(x, q, spec.fp8_max, signs if spec.hadamard else None)
+    into[0] = elements
+    into[1:] = counts
 
 
 def _with_tail(parts: list[Tensor], rows: int, cols: int, dtype: torch.dtype, like: Tensor) -> Tensor:
@@ -157,21 +168,27 @@ def grouped_experts_forward(
     w_spec: str,
     products: str,
     out_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor]:
+    stats: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Each expert's ``x_e @ weight[e].T + bias[e]``, cast and multiplied as eager grouped layers do:
     ``(out, x_amax, w_amax)``. ``scales`` and ``jit`` (``[2, E]``: the input's, the weight's) are the
     slots' scales and whether each casts just in time; ``signs``: NVFP4's RHT signs (unused otherwise);
-    the amaxes are each expert's (0 without rows)."""
+    the amaxes are each expert's (0 without rows), and with ``stats`` the ``[2, E, 4]`` counts of its
+    two casts (zeros otherwise)."""
     backend, specs = _backend(products), (_spec(x_spec), _spec(w_spec))
     transpose = _transpose(backend, x, specs[0])
     amax = x.new_zeros((2, offsets.shape[0]), dtype=torch.float32)
+    counts = x.new_zeros((2, offsets.shape[0], 4), dtype=torch.int64)
     outs = []
     for g, s, e in _groups(offsets):
         qx = backend.cast(_request(x[s:e], specs[0], scales[0, g], jit[0, g], amax[0, g], transpose, signs))
         qw = backend.cast(_request(weight[g], specs[1], scales[1, g], jit[1, g], amax[1, g], transpose, signs))
+        if stats:
+            _count(counts[0, g], x[s:e], qx, specs[0], signs)
+            _count(counts[1, g], weight[g], qw, specs[1], signs)
         outs.append(forward_product(backend, qx, qw, out_dtype, None if bias is None else bias[g])[0])
     out = _with_tail(outs, x.shape[0], weight.shape[1], out_dtype, x)
-    return out, amax[0].clone(), amax[1].clone()
+    return out, amax[0].clone(), amax[1].clone(), counts
 
 
 @grouped_experts_forward.register_fake
@@ -187,9 +204,11 @@ def _(
     w_spec: str,
     products: str,
     out_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor]:
+    stats: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     amax = x.new_empty(offsets.shape[0], dtype=torch.float32)
-    return x.new_empty((x.shape[0], weight.shape[1]), dtype=out_dtype), amax, torch.empty_like(amax)
+    counts = x.new_empty((2, offsets.shape[0], 4), dtype=torch.int64)
+    return x.new_empty((x.shape[0], weight.shape[1]), dtype=out_dtype), amax, torch.empty_like(amax), counts
 
 
 @torch.library.custom_op("scalestate::grouped_experts_backward", mutates_args=(), **HOST_READ_OP)
@@ -208,7 +227,8 @@ def grouped_experts_backward(
     products: str,
     need_x: bool,
     need_w: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+    stats: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Each expert's input and weight gradients, cast and multiplied as eager grouped layers do:
     ``(grad_x, grad_w, g_amax)``. ``scales`` and ``jit`` are ``[3, E]`` (the input's and the weight's
     as the forward had them, the output gradient's); ``keys``: each expert's stochastic-rounding key for
@@ -217,6 +237,7 @@ def grouped_experts_backward(
     backend, specs = _backend(products), (_spec(x_spec), _spec(w_spec), _spec(g_spec))
     transpose = _transpose(backend, x, specs[0])
     amax_g = x.new_zeros(offsets.shape[0], dtype=torch.float32)
+    counts = x.new_zeros((offsets.shape[0], 4), dtype=torch.int64)
     grad_w = grad_out.new_zeros(weight.shape if need_w else (0,), dtype=weight.dtype)
     dtypes = (x.dtype if need_x else None, weight.dtype if need_w else None)
     parts = []
@@ -226,13 +247,15 @@ def grouped_experts_backward(
         x_saved, w_saved, x_is_transposed = saved_operands(qx, qw)
         g_request = _request(grad_out[s:e], specs[2], scales[2, g], jit[2, g], amax_g[g], x_is_transposed, signs)
         qg = backend.cast(g_request._replace(sr_key=keys[g] if specs[2].stochastic else None))
+        if stats:
+            _count(counts[g], grad_out[s:e], qg, specs[2], signs)
         gx, gw = backward_products(backend, qg, x_saved, w_saved, x_is_transposed, dtypes)
         if gx is not None:
             parts.append(gx)
         if gw is not None:
             grad_w[g] = gw
     grad_x = _with_tail(parts, x.shape[0], x.shape[1], x.dtype, x) if need_x else x.new_zeros((0,))
-    return grad_x, grad_w, amax_g
+    return grad_x, grad_w, amax_g, counts
 
 
 @grouped_experts_backward.register_fake
@@ -251,10 +274,12 @@ def _(
     products: str,
     need_x: bool,
     need_w: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+    stats: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grad_x = x.new_empty(x.shape if need_x else (0,))
     grad_w = weight.new_empty(weight.shape if need_w else (0,))
-    return grad_x, grad_w, x.new_empty(offsets.shape[0], dtype=torch.float32)
+    counts = x.new_empty((offsets.shape[0], 4), dtype=torch.int64)
+    return grad_x, grad_w, x.new_empty(offsets.shape[0], dtype=torch.float32), counts
 
 
 class OpaqueGroupedFunction(torch.autograd.Function):
@@ -277,15 +302,16 @@ class OpaqueGroupedFunction(torch.autograd.Function):
         out_dtype: torch.dtype,
         manager: Any,
         grad_slots: Sequence[Any],
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        out, amax_x, amax_w = torch.ops.scalestate.grouped_experts_forward(
-            x, weight, bias, offsets, scales, jit, signs, specs[0], specs[1], products, out_dtype
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        stats = manager._device_groups.stats
+        out, amax_x, amax_w, counts = torch.ops.scalestate.grouped_experts_forward(
+            x, weight, bias, offsets, scales, jit, signs, specs[0], specs[1], products, out_dtype, stats
         )
         ctx.save_for_backward(x, weight, offsets, active, scales, jit, signs)
-        ctx.mark_non_differentiable(amax_x, amax_w)
+        ctx.mark_non_differentiable(amax_x, amax_w, counts)
         ctx.specs, ctx.products, ctx.manager, ctx.grad_slots = specs, products, manager, grad_slots
         ctx.b_dtype = None if bias is None else bias.dtype
-        return out, amax_x, amax_w
+        return out, amax_x, amax_w, counts
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
@@ -297,11 +323,11 @@ class OpaqueGroupedFunction(torch.autograd.Function):
             groups = ctx.manager._device_groups
             g_scale, g_jit = groups.scales_and_jit(ctx.grad_slots)
             _, keys = groups.randomness(ctx.grad_slots, active)
-            gx, gw, amax_g = torch.ops.scalestate.grouped_experts_backward(
+            gx, gw, amax_g, counts = torch.ops.scalestate.grouped_experts_backward(
                 grad_out, x, weight, offsets, torch.cat([scales, g_scale[None]]), torch.cat([jit, g_jit[None]]),
-                signs, keys, *ctx.specs, ctx.products, need_x, need_w,
+                signs, keys, *ctx.specs, ctx.products, need_x, need_w, groups.stats,
             )
-            groups.record(ctx.grad_slots, amax_g, active)
+            groups.record(ctx.grad_slots, amax_g, active, counts)
             grad_x, grad_w = (gx if need_x else None), (gw if need_w else None)
         if need_b:  # each expert's rows summed as ss.nn.Linear sums its bias gradient
             grad_b = torch.ops.scalestate.grouped_sum(grad_out, offsets).to(ctx.b_dtype)
