@@ -46,6 +46,7 @@ def _run(
     sizes_per_step: list[list[int]] = SIZES,
     device: str = "cpu",
     stats: bool = False,
+    dynamic_rows: bool = False,
 ) -> tuple[list, int]:
     """Train a GroupedLinear over SIZES (sizes as tensors), compiled with ``compiler`` or eager (``None``):
     (outputs, gradients and state after every step, number of compiled frames). ``microbatches``: passes
@@ -64,6 +65,8 @@ def _run(
         for microbatch in range(microbatches):
             step_sizes = sizes if microbatch == 0 else sizes[::-1]
             x = (torch.randn(sum(step_sizes), IN, generator=gen) * 4).to(device).requires_grad_()
+            if dynamic_rows:
+                torch._dynamo.mark_dynamic(x, 0)
             with manager.forward():
                 y = run(x, torch.tensor(step_sizes, device=device))
             with manager.backward():
@@ -109,6 +112,22 @@ def test_scaled_mm_on_cpu_compiles_once_for_every_routing(compiler: str) -> None
     want, _ = _run(recipe, None, backend="scaled_mm")
     assert frames == 1
     assert_same(got, want, name=f"compiled ({compiler}) scaled_mm vs eager")
+
+
+#: Tokens per expert with a number of rows that changes at every step (2 to 40).
+VARYING_SIZES = [[8, 0, 16, 8], [4, 12, 0, 1], [0, 0, 40, 0], [1, 1, 0, 0], [16, 16, 0, 3]]
+
+
+@pytest.mark.parametrize("recipe", [ss.DelayedScaling(history_len=4), ss.MXFP8Scaling()], ids=["delayed", "mxfp8"])
+@pytest.mark.parametrize("marked", [False, True], ids=["unmarked", "marked_dynamic"])
+def test_a_changing_number_of_rows(recipe: ss.Recipe, marked: bool) -> None:
+    """A number of rows that changes at every step: with the rows marked dynamic
+    (torch._dynamo.mark_dynamic(x, 0)) one graph serves every step; unmarked, the first change compiles
+    once more (torch's automatic dynamic shapes), and no later one does. Bitwise eager either way."""
+    got, frames = _run(recipe, "aot_eager", sizes_per_step=VARYING_SIZES, dynamic_rows=marked)
+    want, _ = _run(recipe, None, sizes_per_step=VARYING_SIZES)
+    assert frames == (1 if marked else 2)
+    assert_same(got, want, name=f"compiled vs eager, a changing number of rows, {type(recipe).__name__}")
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
