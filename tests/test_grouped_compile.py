@@ -258,6 +258,8 @@ def test_opaque_operators_pass_torchs_checks(recipe: ss.Recipe, products: str) -
         torch.library.opcheck(torch.ops.scalestate.grouped_experts_backward, backward)
     out = torch.ops.scalestate.grouped_experts_forward(*forward)[0]
     assert out.shape == (20, OUT) and not out[18:].any()
+    with pytest.raises(ss.errors.UnknownBackendError, match="unknown backend description 'cuda'"):
+        torch.ops.scalestate.grouped_experts_forward(*forward[:9], "cuda", *forward[10:])
 
 
 @pytest.mark.parametrize("bias", [None, torch.float32, torch.bfloat16], ids=["no_bias", "f32_bias", "bf16_bias"])

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from scalestate._engine.counting import cast_counts
 from scalestate.backends.base import HOST_READ_OP, Backend, CastRequest, CastSpec
+from scalestate.errors import UnknownBackendError
 from scalestate.granularity import Granularity, GranularityKind
 from scalestate.math import ScaleRule
 from scalestate.nn.function import backward_products, forward_product, saved_operands
@@ -60,7 +61,10 @@ def _backend(key: str) -> Backend:
         return EmulationBackend()
     name, _, fallback = key.partition(":")
     if name != "scaled_mm" or fallback not in ("", "emulation"):
-        raise ValueError(f"grouped experts: unknown backend description {key!r}")
+        raise UnknownBackendError(
+            f"grouped experts: unknown backend description {key!r}; expected 'emulation', 'scaled_mm:' or "
+            "'scaled_mm:emulation'"
+        )
     from scalestate.backends.scaled_mm import ScaledMMBackend
 
     return ScaledMMBackend(fallback="emulation" if fallback else None)
