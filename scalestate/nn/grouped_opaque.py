@@ -114,7 +114,7 @@ def opaque_grouped_linear(
     active = counts > 0
     (x_scale, x_jit), (w_scale, w_jit) = groups.scales_and_jit(slots[0]), groups.scales_and_jit(slots[1])
     specs = tuple(describe_spec(group[0].spec) for group in slots)
-    signs, _ = groups.randomness(slots[0], active)
+    signs = groups.signs
     out: tuple[Tensor, Tensor, Tensor, Tensor] = OpaqueGroupedFunction.apply(  # type: ignore[no-untyped-call]
         x, weight, bias, counts.cumsum(0).to(torch.int32), active, torch.stack([x_scale, w_scale]),
         torch.stack([x_jit, w_jit]), signs, specs, products, out_dtype, manager, slots[2],
@@ -326,7 +326,7 @@ class OpaqueGroupedFunction(torch.autograd.Function):
         if need_x or need_w:
             groups = ctx.manager._device_groups
             g_scale, g_jit = groups.scales_and_jit(ctx.grad_slots)
-            _, keys = groups.randomness(ctx.grad_slots, active)
+            keys = groups.sr_keys(ctx.grad_slots, active)
             gx, gw, amax_g, counts = torch.ops.scalestate.grouped_experts_backward(
                 grad_out, x, weight, offsets, torch.cat([scales, g_scale[None]]), torch.cat([jit, g_jit[None]]),
                 signs, keys, *ctx.specs, ctx.products, need_x, need_w, groups.stats,
