@@ -49,7 +49,9 @@ __all__ = [
     "SupportsRecipe",
     "cast_spec",
     "granularity_label",
+    "group_spans",
     "recipe_granularities",
+    "rows_then_zeros",
 ]
 
 #: The keyword arguments of ``torch.library.custom_op`` for an operator that reads group sizes on the host
@@ -58,6 +60,24 @@ __all__ = [
 HOST_READ_OP: dict[str, Any] = (
     {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
 )
+
+
+def group_spans(offsets: Tensor, *, skip_empty: bool = False) -> list[tuple[int, int, int]]:
+    """``(group, start, end)`` of every group (``skip_empty``: of every group with rows) from ``offsets``:
+    the ``[G]`` ends, as ``torch.nn.functional.grouped_mm`` takes them, read on the host (the operators
+    that run groups one by one; see :data:`HOST_READ_OP`)."""
+    ends: list[int] = offsets.tolist()
+    spans = enumerate(zip([0, *ends[:-1]], ends, strict=True))
+    return [(g, start, end) for g, (start, end) in spans if end > start or not skip_empty]
+
+
+def rows_then_zeros(parts: list[Tensor], rows: int, cols: int, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """The groups' rows one after another, then zeros up to ``rows`` (group sizes summing to fewer rows
+    than the operand: the shape an operator promised); ``like``'s device."""
+    done = sum(part.shape[0] for part in parts)
+    if done < rows:
+        parts = [*parts, like.new_zeros((rows - done, cols), dtype=dtype)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @attrs.frozen

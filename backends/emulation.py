@@ -23,6 +23,8 @@ from scalestate.backends.base import (
     GroupedOperand,
     GroupedRows,
     StepUpdate,
+    group_spans,
+    rows_then_zeros,
 )
 from scalestate.errors import CastError
 from scalestate.finegrained import quantize as fine_quantize
@@ -276,22 +278,16 @@ def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False, b
     own, so that compiled code keeps the sizes on the device (torch's own refuses float32 while tracing);
     its ``ends`` are read on the host when it runs. ``bias`` (3-d ``b`` only): ``bias[g]`` is added
     to group ``g``'s product in float32, as :meth:`EmulationBackend.scaled_mm` adds a bias."""
-    ends: list[int] = offsets.tolist()
-    starts = [0, *ends[:-1]]
-
     def mm(x: Tensor, y: Tensor) -> Tensor:
         return torch.mm(x.contiguous(), y.contiguous()) if row_major else torch.mm(x, y)
 
     if b.dim() == 3:  # rows of a by group, each times b[g]
-        groups = [(g, s, e) for g, (s, e) in enumerate(zip(starts, ends, strict=True)) if e > s]
+        groups = group_spans(offsets, skip_empty=True)
         parts = [mm(a[s:e], b[g]) for g, s, e in groups]
         if bias is not None:
             parts = [part + bias[g].float() for part, (g, _, _) in zip(parts, groups, strict=True)]
-        tail = a.shape[0] - (ends[-1] if ends else 0)
-        if tail:
-            parts.append(a.new_zeros((tail, b.shape[-1])))
-        return torch.cat(parts) if parts else a.new_zeros((a.shape[0], b.shape[-1]))
-    return torch.stack([mm(a[:, s:e], b[s:e]) for s, e in zip(starts, ends, strict=True)])
+        return rows_then_zeros(parts, a.shape[0], b.shape[-1], a, a.dtype)
+    return torch.stack([mm(a[:, s:e], b[s:e]) for _, s, e in group_spans(offsets)])
 
 
 @grouped_mm.register_fake

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from scalestate.backends import GroupedOperand, SupportsDeviceGroups
-from scalestate.backends.base import HOST_READ_OP
+from scalestate.backends.base import HOST_READ_OP, group_spans
 from scalestate.errors import ArgumentTypeError, ArgumentValueError
 from scalestate.handle import ScalingHandle
 from scalestate.nn.grouped_opaque import opaque_grouped_linear
@@ -145,11 +145,9 @@ def grouped_sum(x: Tensor, offsets: Tensor) -> Tensor:
     them), zeros for an empty group: the bits of each group's own sum, which a segmented reduction
     over all rows need not give. An operator of its own, so that compiled code keeps the sizes on the
     device; its ``ends`` are read on the host when it runs."""
-    ends: list[int] = offsets.tolist()
-    out = x.new_zeros((len(ends), x.shape[1]), dtype=torch.float32)
-    for g, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
-        if end > start:
-            out[g] = x[start:end].sum(0, dtype=torch.float32)
+    out = x.new_zeros((offsets.shape[0], x.shape[1]), dtype=torch.float32)
+    for g, start, end in group_spans(offsets, skip_empty=True):
+        out[g] = x[start:end].sum(0, dtype=torch.float32)
     return out
 
 

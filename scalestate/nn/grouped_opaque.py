@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from scalestate._engine.counting import cast_counts
-from scalestate.backends.base import HOST_READ_OP, Backend, CastRequest, CastSpec
+from scalestate.backends.base import HOST_READ_OP, Backend, CastRequest, CastSpec, group_spans, rows_then_zeros
 from scalestate.errors import UnknownBackendError
 from scalestate.granularity import Granularity, GranularityKind
 from scalestate.math import ScaleRule
@@ -124,27 +124,12 @@ def opaque_grouped_linear(
     return out[0]
 
 
-def _groups(offsets: Tensor) -> list[tuple[int, int, int]]:
-    """``(group, start, end)`` of each group with rows (``offsets``: ``[G]`` ends, read on the host)."""
-    ends: list[int] = offsets.tolist()
-    return [(g, s, e) for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends, strict=True)) if e > s]
-
-
 def _count(into: Tensor, x: Tensor, q: Quantized, spec: CastSpec, signs: Tensor) -> None:
     """Write one cast's statistics into ``into`` (``[4]``: elements, then cast_counts's three), as eager
     code adds them to the slot's."""
     elements, counts = cast_counts(x, q, spec.fp8_max, signs if spec.hadamard else None)
     into[0] = elements
     into[1:] = counts
-
-
-def _with_tail(parts: list[Tensor], rows: int, cols: int, dtype: torch.dtype, like: Tensor) -> Tensor:
-    """The groups' rows, then zeros for rows past the last group's end (sizes summing to fewer than
-    ``rows``: the shape the operator promised), as ``scalestate::grouped_mm`` fills them."""
-    done = sum(part.shape[0] for part in parts)
-    if done < rows:
-        parts = [*parts, like.new_zeros((rows - done, cols), dtype=dtype)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _request(
@@ -184,14 +169,14 @@ def grouped_experts_forward(
     amax = x.new_zeros((2, offsets.shape[0]), dtype=torch.float32)
     counts = x.new_zeros((2, offsets.shape[0], 4), dtype=torch.int64)
     outs = []
-    for g, s, e in _groups(offsets):
+    for g, s, e in group_spans(offsets, skip_empty=True):
         qx = backend.cast(_request(x[s:e], specs[0], scales[0, g], jit[0, g], amax[0, g], transpose, signs))
         qw = backend.cast(_request(weight[g], specs[1], scales[1, g], jit[1, g], amax[1, g], transpose, signs))
         if stats:
             _count(counts[0, g], x[s:e], qx, specs[0], signs)
             _count(counts[1, g], weight[g], qw, specs[1], signs)
         outs.append(forward_product(backend, qx, qw, out_dtype, None if bias is None else bias[g])[0])
-    out = _with_tail(outs, x.shape[0], weight.shape[1], out_dtype, x)
+    out = rows_then_zeros(outs, x.shape[0], weight.shape[1], x, out_dtype)
     return out, amax[0].clone(), amax[1].clone(), counts
 
 
@@ -245,7 +230,7 @@ def grouped_experts_backward(
     grad_w = grad_out.new_zeros(weight.shape if need_w else (0,), dtype=weight.dtype)
     dtypes = (x.dtype if need_x else None, weight.dtype if need_w else None)
     parts = []
-    for g, s, e in _groups(offsets):
+    for g, s, e in group_spans(offsets, skip_empty=True):
         qx = backend.cast(_request(x[s:e], specs[0], scales[0, g], jit[0, g], None, transpose, signs))
         qw = backend.cast(_request(weight[g], specs[1], scales[1, g], jit[1, g], None, transpose, signs))
         x_saved, w_saved, x_is_transposed = saved_operands(qx, qw)
@@ -258,7 +243,7 @@ def grouped_experts_backward(
             parts.append(gx)
         if gw is not None:
             grad_w[g] = gw
-    grad_x = _with_tail(parts, x.shape[0], x.shape[1], x.dtype, x) if need_x else x.new_zeros((0,))
+    grad_x = rows_then_zeros(parts, x.shape[0], x.shape[1], x, x.dtype) if need_x else x.new_zeros((0,))
     return grad_x, grad_w, amax_g, counts
 
 
