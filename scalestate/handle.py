@@ -39,7 +39,7 @@ class ScalingHandle:
         tensor(1.)
     """
 
-    __slots__ = ("_manager", "_name", "_slots")
+    __slots__ = ("__weakref__", "_manager", "_name", "_slots")
 
     def __init__(self, manager: ScalingStateManager, name: str, slots: dict[Role, Slot]) -> None:
         self._manager = manager

@@ -17,7 +17,10 @@ from torch import Tensor
 from scalestate.backends import Backend
 from scalestate.quantized import Quantized
 
-__all__ = ["FP8LinearFunction", "GradCaster", "backward_products", "forward_product", "product", "saved_operands"]
+__all__ = [
+    "FP8LinearFunction", "GradCaster", "backward_products", "forward_product", "linear_backward", "linear_forward",
+    "product", "saved_operands",
+]
 
 
 #: Casts the output gradient: ``cast_grad(dy, transpose) -> Quantized``.
@@ -46,43 +49,65 @@ class FP8LinearFunction(torch.autograd.Function):
         add_bias: bool = True,
         weight_transposed: bool = False,
     ) -> Tensor:
-        ctx.weight_transposed = weight_transposed
-        out, x_saved, w_saved, ctx.x_is_transposed = forward_product(
-            backend, qx, qw, out_dtype, bias if add_bias else None
-        )
-        x_tensors, ctx.x_layout = x_saved.flatten()
-        w_tensors, ctx.w_layout = w_saved.flatten()
-        ctx.n_x = len(x_tensors)
-        ctx.save_for_backward(*x_tensors, *w_tensors)
         ctx.cast_grad = cast_grad
-        ctx.backend = backend
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return out
+        return linear_forward(ctx, x, weight, bias, qx, qw, backend, out_dtype, add_bias, weight_transposed)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        # Row-major, whatever its layout: a sum over another layout (the bias gradient) adds in another
-        # order, and compiled code, where AOT autograd makes the gradients of a graph's outputs contiguous
-        # but a gradient produced inside the graph may be laid out otherwise, would differ from eager.
-        grad_out = grad_out.contiguous()
-        saved = ctx.saved_tensors
-        qx = Quantized.unflatten(saved[: ctx.n_x], ctx.x_layout)
-        qw = Quantized.unflatten(saved[ctx.n_x :], ctx.w_layout)
-        cast_grad: GradCaster = ctx.cast_grad
-        backend: Backend = ctx.backend
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = grad_w = grad_b = None
-        if need_x or need_w:
-            qg = cast_grad(grad_out, ctx.x_is_transposed)
-            grad_x, grad_w = backward_products(
-                backend, qg, qx, qw, ctx.x_is_transposed, (x_dtype if need_x else None, w_dtype if need_w else None)
-            )
-        if need_b:
-            grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
-        if grad_w is not None and ctx.weight_transposed:
-            grad_w = grad_w.t()  # the same values, in the parameter's (in, out) layout
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+        return *linear_backward(ctx, grad_out, ctx.cast_grad), None, None, None, None, None, None, None
+
+
+def linear_forward(
+    ctx: Any,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    qx: Quantized,
+    qw: Quantized,
+    backend: Backend,
+    out_dtype: torch.dtype,
+    add_bias: bool = True,
+    weight_transposed: bool = False,
+) -> Tensor:
+    """The forward of an FP8 linear Function (see :class:`FP8LinearFunction`): the product, and on ``ctx``
+    what :func:`linear_backward` needs (the FP8 operands, saved; the backend; the dtypes)."""
+    ctx.weight_transposed = weight_transposed
+    out, x_saved, w_saved, ctx.x_is_transposed = forward_product(
+        backend, qx, qw, out_dtype, bias if add_bias else None
+    )
+    x_tensors, ctx.x_layout = x_saved.flatten()
+    w_tensors, ctx.w_layout = w_saved.flatten()
+    ctx.n_x = len(x_tensors)
+    ctx.save_for_backward(*x_tensors, *w_tensors)
+    ctx.backend = backend
+    ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+    return out
+
+
+def linear_backward(ctx: Any, grad_out: Tensor, cast_grad: GradCaster) -> tuple[Tensor | None, ...]:
+    """The input, weight and bias gradients of an FP8 linear Function whose forward was
+    :func:`linear_forward`, the output gradient cast by ``cast_grad``."""
+    # Row-major, whatever its layout: a sum over another layout (the bias gradient) adds in another
+    # order, and compiled code, where AOT autograd makes the gradients of a graph's outputs contiguous
+    # but a gradient produced inside the graph may be laid out otherwise, would differ from eager.
+    grad_out = grad_out.contiguous()
+    saved = ctx.saved_tensors
+    qx = Quantized.unflatten(saved[: ctx.n_x], ctx.x_layout)
+    qw = Quantized.unflatten(saved[ctx.n_x :], ctx.w_layout)
+    backend: Backend = ctx.backend
+    x_dtype, w_dtype, b_dtype = ctx.dtypes
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x = grad_w = grad_b = None
+    if need_x or need_w:
+        qg = cast_grad(grad_out, ctx.x_is_transposed)
+        grad_x, grad_w = backward_products(
+            backend, qg, qx, qw, ctx.x_is_transposed, (x_dtype if need_x else None, w_dtype if need_w else None)
+        )
+    if need_b:
+        grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
+    if grad_w is not None and ctx.weight_transposed:
+        grad_w = grad_w.t()  # the same values, in the parameter's (in, out) layout
+    return grad_x, grad_w, grad_b
 
 
 def forward_product(

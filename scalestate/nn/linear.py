@@ -12,6 +12,7 @@ from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
 from scalestate.nn import tensor_parallel
 from scalestate.nn.base import WeightSlotModule, check_module_arguments, quantize_weight
+from scalestate.nn.compiled_linear import compiled_linear
 from scalestate.nn.function import FP8LinearFunction
 from scalestate.quantized import Quantized
 from scalestate.recipe import Role
@@ -80,6 +81,10 @@ def linear(
     backend = handle.manager.backend
     # Fine-grained scales lie along one axis: every role is also cast along the other one.
     transpose = backend.wants_transposed(x.device) or handle.manager.recipe.granularity(Role.INPUT) is not None
+    if not weight_transposed and torch.compiler.is_compiling():
+        fast = compiled_linear(x2, weight, bias, handle, transpose, out_dtype)
+        if fast is not None:
+            return fast if x.dim() == 2 else fast.reshape(*x.shape[:-1], out_features)
     qx = handle.quantize(x2, Role.INPUT, transpose=transpose)
     if weight_transposed:
         # Cast the parameter itself (the cache keys on it), in both orientations, and take the
