@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from scalestate.backends.base import (
     HOST_READ_OP,
@@ -29,7 +30,7 @@ from scalestate.backends.base import (
 from scalestate.errors import CastError
 from scalestate.finegrained import quantize as fine_quantize
 from scalestate.granularity import GranularityKind
-from scalestate.math import ints_on, scale_from_amax, update_scales
+from scalestate.math import abs_max, ints_on, scale_from_amax, update_scales
 from scalestate.nvfp4 import quantize_nvfp4, tensor_scale
 from scalestate.quantized import Orientation, Quantized
 from scalestate.recipe import Recipe
@@ -54,6 +55,8 @@ class EmulationBackend:
 
     def __init__(self) -> None:
         self._e4m3_tables: dict[torch.device, Tensor] = {}
+        #: FP8 data -> (its scale_inv, its dequantization), while the data lives (see keep_dequantized).
+        self._kept: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __repr__(self) -> str:
         return "EmulationBackend()"
@@ -79,7 +82,7 @@ class EmulationBackend:
         if spec.granularity is not None:
             return self._cast_fine(request)
         xf = x if x.dtype == torch.float32 else x.float()
-        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())  # NaN propagates, as a max of |x| must
+        amax = abs_max(xf)  # NaN propagates, as a max of |x| must
         scale = _chosen(request, lambda: scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale))
         data = (xf * scale).clamp_(-spec.fp8_max, spec.fp8_max).to(spec.dtype)
         if request.record is not None:
@@ -165,7 +168,7 @@ class EmulationBackend:
         spec = request.spec
         assert spec.granularity is not None
         xf = request.x if request.x.dtype == torch.float32 else request.x.float()
-        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+        amax = abs_max(xf)
         s_enc = _chosen(request, lambda: tensor_scale(amax, 1.0, spec.rule))
         fq = quantize_nvfp4(
             xf, s_enc=s_enc, amax=amax, two_d=spec.granularity.kind is GranularityKind.NVFP4_2D,
@@ -180,6 +183,30 @@ class EmulationBackend:
         """False: products of dequantized operands take any layout."""
         return False
 
+    def keep_dequantized(self, q: Quantized) -> None:
+        """Dequantize ``q`` (per tensor) once for every product that multiplies it while its data lives.
+
+        The layers call this for operands that several products take: a
+        weight's cast (its cache serves every microbatch of a step; forward and
+        backward each multiply it) and the output gradient's (both gradient
+        products take it). :meth:`dequantize` then returns the kept values for
+        that data and for its transpose, the same tensor it would compute. The
+        kept copy is float32 (4 bytes per element) and lives as long as the
+        FP8 data does. Not while compiling, where the compiler fuses the
+        dequantization into its own kernels; not in subclasses that multiply
+        otherwise. Made out of sight of selective checkpointing (see
+        :mod:`scalestate.sac`), as whether it runs depends on what is kept.
+        """
+        if type(self).scaled_mm is not EmulationBackend.scaled_mm or torch.compiler.is_compiling():
+            return
+        for o in (q.primary, q.other):
+            if o is None or o.tile is not None or o.packing is not None or o.data._base is not None:
+                continue
+            kept = self._kept.get(o.data)  # type: ignore[no-untyped-call]  # untyped in torch
+            if kept is None or kept[0] is not o.scale_inv:
+                with hidden_from_sac():
+                    self._kept[o.data] = (o.scale_inv, self._dequantize(Quantized.of(o)))
+
     def dequantize(self, q: Quantized) -> Tensor:
         """``q.data * q.scale_inv`` in float32, each factor over its tile.
 
@@ -188,8 +215,24 @@ class EmulationBackend:
         operands are converted through it. Per-tensor scales scale the table
         first (256 products instead of one per element), which gives the same
         bits as scaling every element; per-tile scales are applied to the
-        gathered values.
+        gathered values. Data :meth:`keep_dequantized` kept (or its transpose)
+        is not dequantized again.
         """
+        if self._kept and q.tile is None:
+            data = q.data
+            base = data if data._base is None else data._base
+            kept = self._kept.get(base)  # type: ignore[no-untyped-call]  # untyped in torch
+            if kept is not None and kept[0] is q.scale_inv:
+                values: Tensor = kept[1]
+                if data.storage_offset() == base.storage_offset():
+                    if data.shape == base.shape and data.stride() == base.stride():
+                        return values
+                    if data.shape == base.shape[::-1] and data.stride() == base.stride()[::-1]:
+                        return values.t()
+        return self._dequantize(q)
+
+    def _dequantize(self, q: Quantized) -> Tensor:
+        """What :meth:`dequantize` computes, with nothing kept."""
         data = q.data
         if (
             data.numel() < _TABLE_MIN_NUMEL

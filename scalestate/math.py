@@ -32,6 +32,7 @@ __all__ = [
     "FLOAT32_MAX",
     "FLOAT32_TINY",
     "ScaleRule",
+    "abs_max",
     "amax_from_history",
     "is_usable_amax",
     "nonfinite_mask",
@@ -69,6 +70,30 @@ class ScaleRule:
     #: Amaxes below it (but above 0) scale as if they were it: ``fp8_max / max(amax, amax_floor)``,
     #: in float32 (the floor rounded to the nearest float32). 0: no floor.
     amax_floor: float = 0.0
+
+
+def abs_max(x: Tensor) -> Tensor:
+    """``max|x|`` as a 0-d tensor of ``x``'s dtype: NaN if ``x`` holds one, 0 for an empty ``x``.
+
+    Eager code reads it from ``torch.aminmax`` (one pass, nothing allocated:
+    about half the time of ``x.abs().amax()`` on CPU) as the larger of
+    ``max`` and ``-min``; compiled code as ``x.abs().amax()``, which the
+    compiler fuses into the cast's own pass. Both are exact, so both give
+    the same value (the ``abs`` of the result makes an all ``-0.0`` tensor's
+    amax ``+0.0``, as ``abs().amax()`` does).
+
+    Example:
+        >>> import torch
+        >>> from scalestate.math import abs_max
+        >>> abs_max(torch.tensor([1.5, -3.0, 2.0]))
+        tensor(3.)
+    """
+    if not x.numel():
+        return x.new_zeros(())
+    if torch.compiler.is_compiling():
+        return x.abs().amax()
+    low, high = torch.aminmax(x)
+    return torch.maximum(high, low.neg()).abs()
 
 
 def is_usable_amax(amax: Tensor) -> Tensor:

@@ -52,7 +52,7 @@ from scalestate.e2m1 import (
 )
 from scalestate.errors import ArgumentValueError, CastError
 from scalestate.finegrained import FineQuantized, check_input
-from scalestate.math import ScaleRule, scale_from_amax
+from scalestate.math import ScaleRule, abs_max, scale_from_amax
 from scalestate.quantized import Orientation
 
 __all__ = [
@@ -291,7 +291,7 @@ def quantize_nvfp4(
 
 def _amax(xf: Tensor) -> Tensor:
     """``max|x|``, 0-d float32, NaN propagating; 0 for an empty tensor."""
-    return xf.abs().amax() if xf.numel() else xf.new_zeros(())
+    return abs_max(xf)
 
 
 def _codes(v: Tensor, sr_key: Tensor | None, salt: int) -> Tensor:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
+import scalestate as ss
 from scalestate.backends import CastRequest, CastSpec, StepUpdate
 from scalestate.backends.emulation import EmulationBackend
+from scalestate.backends.scaled_mm import ScaledMMBackend
 from scalestate.math import ScaleRule, update_scales
 from scalestate.quantized import Quantized
+from scalestate.testing import OpLog, assert_same
 
 E4M3 = CastSpec(torch.float8_e4m3fn, 448.0)
 E5M2 = CastSpec(torch.float8_e5m2, 57344.0)
@@ -152,3 +158,81 @@ class TestUpdate:
         assert torch.equal(history, want_h) and torch.equal(scales, want_s)
         assert step_amax.tolist() == [0.0, 0.0]
         assert [t.data_ptr() for t in (history, scales, step_amax)] == ptrs
+
+
+class TestKeptDequantization:
+    """keep_dequantized: an operand several products take is dequantized once while its data lives."""
+
+    @pytest.mark.parametrize("spec", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+    def test_kept_values_are_the_computed_ones_and_cost_no_operation(self, spec):
+        q = cast(torch.randn(64, 128) * 30, spec=spec, jit=True)  # 8192 elements: E4M3 takes the table path
+        backend = EmulationBackend()
+        plain, plain_t = backend.dequantize(q), backend.dequantize(q.t())
+        backend.keep_dequantized(q)
+        qt = q.t()
+        with OpLog() as log:
+            kept, kept_t = backend.dequantize(q), backend.dequantize(qt)
+        assert log.ops == ["aten.t.default"], f"a kept operand was dequantized again: {log.ops}"  # the view only
+        for got, want in ((kept, plain), (kept_t, plain_t)):
+            assert torch.equal(got, want) and got.stride() == want.stride()
+
+    def test_kept_copy_dies_with_the_data(self):
+        backend = EmulationBackend()
+        q = cast(torch.randn(64, 128), jit=True)
+        backend.keep_dequantized(q)
+        kept = weakref.ref(backend.dequantize(q))
+        assert kept() is not None
+        del q
+        gc.collect()
+        assert kept() is None, "the kept copy outlived the FP8 data it was made from"
+
+    def test_other_scales_and_views_are_computed(self):
+        """The same data with another scale_inv, or a slice of it, is dequantized afresh, correctly."""
+        backend = EmulationBackend()
+        q = cast(torch.randn(64, 128), jit=True)
+        backend.keep_dequantized(q)
+        other = Quantized(q.data, scale_inv=torch.tensor(0.5))
+        assert torch.equal(backend.dequantize(other), q.data.float() * 0.5)
+        part = Quantized(q.data[8:40], scale_inv=q.scale_inv)
+        assert torch.equal(backend.dequantize(part), q.data[8:40].float() * q.scale_inv)
+
+    def test_backends_that_multiply_otherwise_keep_nothing(self):
+        backend = ScaledMMBackend(fallback="emulation")
+        q = cast(torch.randn(64, 128), jit=True)
+        backend.keep_dequantized(q)
+        with OpLog() as log:
+            backend.dequantize(q)
+        assert len(log) > 0
+
+    def test_a_linear_dequantizes_its_cached_weight_once_per_step_bitwise(self):
+        """Later microbatches gather only the input's codes (forward and backward), and training gives
+        the bits of a backend that keeps nothing."""
+
+        class KeepsNothing(EmulationBackend):
+            def keep_dequantized(self, q: Quantized) -> None:
+                pass
+
+        def run(backend):
+            torch.manual_seed(0)
+            manager = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend=backend)
+            layer = ss.nn.Linear(128, 128, manager=manager, name="fc")
+            gathers, out = [], []
+            for _ in range(2):
+                for _ in range(3):
+                    x = torch.randn(64, 128, requires_grad=True)
+                    with OpLog() as log:
+                        with manager.forward():
+                            y = layer(x)
+                        with manager.backward():
+                            y.square().sum().backward()
+                    gathers.append(log.count("aten.index_select.default"))
+                    out += [y.detach(), x.grad]
+                manager.step()
+            out += [layer.weight.grad, layer.bias.grad, *manager.buffers().values()]
+            return gathers, out
+
+        gathers, kept = run(EmulationBackend())
+        gathers_plain, plain = run(KeepsNothing())
+        assert gathers[1:3] == [2, 2], gathers  # the input's codes, forward and backward
+        assert gathers_plain[1:3] == [4, 4], gathers_plain
+        assert_same(kept, plain)

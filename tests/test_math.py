@@ -11,6 +11,7 @@ from scalestate.math import (
     FLOAT32_MAX,
     FLOAT32_TINY,
     ScaleRule,
+    abs_max,
     amax_from_history,
     pow2_floor,
     roll_history,
@@ -214,3 +215,34 @@ class TestAmaxFloor:
         h, s = update_scales(torch.zeros(1, 2), torch.ones(1), torch.tensor([1e-30]), torch.tensor([448.0]), FLOOR)
         assert h.tolist() == [[0.0, pytest.approx(1e-30)]] and torch.equal(h[0, 1], torch.tensor(1e-30))
         assert torch.equal(s[0], torch.div(448.0, F32_FLOOR))
+
+
+class TestAbsMax:
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize(
+        "values",
+        [
+            [1.5, -3.0, 2.0], [-1.0, -7.0], [0.25, 4.0], [-0.0, -0.0], [0.0, -0.0], [INF, 1.0], [-INF, 1.0],
+            [NAN, 1.0], [1.0, -NAN, -5.0], [FLOAT32_TINY / 4, -FLOAT32_TINY / 8],
+        ],
+    )
+    def test_equals_the_max_of_abs_bitwise(self, values, dtype):
+        """max|x| bit for bit as x.abs().amax() gives it, NaN kept, an all -0.0 tensor's +0.0 included."""
+        x = torch.tensor(values, dtype=dtype)
+        got, want = abs_max(x), x.abs().amax()
+        assert got.dtype == dtype and got.dim() == 0
+        assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+    def test_random_tensors_and_the_empty_one(self):
+        torch.manual_seed(0)
+        for shape in [(1,), (7, 5), (64, 130), (3, 4, 5)]:
+            x = torch.randn(shape) * 100
+            assert torch.equal(abs_max(x), x.abs().amax())
+            assert torch.equal(abs_max(x.t() if x.dim() == 2 else x), x.abs().amax())
+        assert torch.equal(abs_max(torch.empty(0, 3)), torch.tensor(0.0))
+
+    def test_compiled_gives_the_same_value(self):
+        x = torch.randn(33, 17)
+        x[3, 4] = -1e30
+        assert torch.equal(torch.compile(abs_max, backend="aot_eager", fullgraph=True)(x), abs_max(x))

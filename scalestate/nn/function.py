@@ -72,6 +72,7 @@ def linear_forward(
     """The forward of an FP8 linear Function (see :class:`FP8LinearFunction`): the product, and on ``ctx``
     what :func:`linear_backward` needs (the FP8 operands, saved; the backend; the dtypes)."""
     ctx.weight_transposed = weight_transposed
+    _keep(backend, qw)  # the weight's cast serves this product and the input gradient's
     out, x_saved, w_saved, ctx.x_is_transposed = forward_product(
         backend, qx, qw, out_dtype, bias if add_bias else None
     )
@@ -100,6 +101,8 @@ def linear_backward(ctx: Any, grad_out: Tensor, cast_grad: GradCaster) -> tuple[
     grad_x = grad_w = grad_b = None
     if need_x or need_w:
         qg = cast_grad(grad_out, ctx.x_is_transposed)
+        if need_x and need_w:
+            _keep(backend, qg)  # both products take it
         grad_x, grad_w = backward_products(
             backend, qg, qx, qw, ctx.x_is_transposed, (x_dtype if need_x else None, w_dtype if need_w else None)
         )
@@ -108,6 +111,13 @@ def linear_backward(ctx: Any, grad_out: Tensor, cast_grad: GradCaster) -> tuple[
     if grad_w is not None and ctx.weight_transposed:
         grad_w = grad_w.t()  # the same values, in the parameter's (in, out) layout
     return grad_x, grad_w, grad_b
+
+
+def _keep(backend: Backend, q: Quantized) -> None:
+    """Tell a backend that dequantizes its operands (the emulation) that several products take ``q``."""
+    keep = getattr(backend, "keep_dequantized", None)
+    if keep is not None:
+        keep(q)
 
 
 def forward_product(
