@@ -218,7 +218,7 @@ class EmulationBackend:
         gathered values. Data :meth:`keep_dequantized` kept (or its transpose)
         is not dequantized again.
         """
-        if self._kept and q.tile is None:
+        if q.tile is None and not torch.compiler.is_compiling() and self._kept:  # nothing is kept while compiling
             data = q.data
             base = data if data._base is None else data._base
             kept = self._kept.get(base)  # type: ignore[no-untyped-call]  # untyped in torch
