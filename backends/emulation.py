@@ -61,6 +61,14 @@ class EmulationBackend:
     def __repr__(self) -> str:
         return "EmulationBackend()"
 
+    def __getstate__(self) -> dict[str, object]:
+        """Its state for pickle and copy, without the kept dequantizations (of this process's tensors)."""
+        return {**self.__dict__, "_kept": None}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._kept = WeakIdKeyDictionary()
+
     def _products_key(self) -> str | None:
         """How compiled grouped layers' operators rebuild this backend (scalestate.nn.grouped_opaque):
         ``"emulation"``; ``None`` for a subclass, which may cast or multiply otherwise."""
