@@ -54,8 +54,8 @@ SCALED_MM_OPS = ("aten._scaled_mm_v2.default",) if cpu_runs_functional() else ("
 #: Ops of the casts and products, drawn more often than the rest.
 CAST_OPS = (
     "aten.abs.default", "aten.amax.default", "aten.aminmax.default", "aten.mul.Tensor", "aten.div.Tensor",
-    "aten.clamp.default", "aten.view.default", "aten._to_copy.default", "aten.linalg_vector_norm.default", "aten.mm.default",
-    *SCALED_MM_OPS, "aten.reciprocal.default", "aten.t.default",
+    "aten.clamp.default", "aten.view.default", "aten._to_copy.default", "aten.linalg_vector_norm.default",
+    "aten.mm.default", *SCALED_MM_OPS, "aten.reciprocal.default", "aten.t.default",
 )
 
 
