@@ -264,7 +264,7 @@ def quantize_nvfp4(
         raise CastError(f"quantize_nvfp4: sr_key must be a 0-d int64 tensor; got {got}")
     xf = x.float()
     if amax is None:
-        amax = _amax(xf)
+        amax = abs_max(xf)
     if s_enc is None:
         s_enc = tensor_scale(amax)
     if two_d:
@@ -285,13 +285,8 @@ def quantize_nvfp4(
         other = _rows(xt, s_enc, sr_key, 1, hadamard=False)
     else:
         xt = hadamard16(xt, signs)
-        other = _rows(xt, tensor_scale(_amax(xt)), sr_key, 1, hadamard=True)
+        other = _rows(xt, tensor_scale(abs_max(xt)), sr_key, 1, hadamard=True)
     return FineQuantized(primary, other, amax)
-
-
-def _amax(xf: Tensor) -> Tensor:
-    """``max|x|``, 0-d float32, NaN propagating; 0 for an empty tensor."""
-    return abs_max(xf)
 
 
 def _codes(v: Tensor, sr_key: Tensor | None, salt: int) -> Tensor:

@@ -16,13 +16,28 @@ from torch import Tensor
 
 from scalestate.backends.base import CastSpec
 
-__all__ = ["RowViews"]
+__all__ = ["RowViews", "newest_at", "read_at", "write_at"]
 
 
 def _indexed(spec: CastSpec) -> bool:
     """Whether compiled code reads a row of ``spec`` through its index tensor: per-tensor specs only
     (inductor 2.13 fails to generate some block casts given an indexed scale; the others read views)."""
     return spec.granularity is None
+
+
+def read_at(buffer: Tensor, index: Tensor) -> Tensor:
+    """Compiled code: the row ``index`` (a ``[1]`` int64 tensor) of a ``[capacity]`` buffer, as a 0-d copy."""
+    return buffer.index_select(0, index).reshape(())
+
+
+def newest_at(history: Tensor, index: Tensor) -> Tensor:
+    """Compiled code: the newest entry of row ``index`` of the ``[capacity, H]`` history, 0-d."""
+    return history.index_select(0, index)[0, -1]
+
+
+def write_at(buffer: Tensor, index: Tensor, value: Tensor) -> None:
+    """Compiled code: store 0-d ``value`` into row ``index`` of a ``[capacity]`` buffer (see :func:`read_at`)."""
+    buffer.index_copy_(0, index, value.reshape(1))
 
 
 class RowViews:
@@ -50,18 +65,18 @@ class RowViews:
         if not _indexed(spec):
             return scales[row], step_amax[row]
         index = self._index[row]
-        return scales.index_select(0, index).reshape(()), step_amax.index_select(0, index).reshape(())
+        return read_at(scales, index), read_at(step_amax, index)
 
     def write(self, row: int, spec: CastSpec, step_amax: Tensor, value: Tensor) -> None:
         """Compiled code: store an accumulator :meth:`read` returned (a view needs nothing)."""
         if _indexed(spec):
-            step_amax.index_copy_(0, self._index[row], value.reshape(1))
+            write_at(step_amax, self._index[row], value)
 
     def newest(self, row: int, spec: CastSpec, history: Tensor) -> Tensor:
         """Compiled code: ``row``'s newest history entry, 0-d, read as :meth:`read` reads."""
         if not _indexed(spec):
             return history[row, -1]
-        return history.index_select(0, self._index[row])[0, -1]
+        return newest_at(history, self._index[row])
 
     def views(self, row: int, rows: int, scales: Tensor, step_amax: Tensor) -> tuple[Tensor, Tensor]:
         """0-d views of ``row``'s scale and accumulator (made for every row below ``rows`` at once)."""

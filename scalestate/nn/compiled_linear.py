@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from scalestate._engine.binding import settle_during_trace
+from scalestate._engine.rows import newest_at, read_at, write_at
 from scalestate.backends import Backend, CastRequest
 from scalestate.handle import ScalingHandle
 from scalestate.nn.function import linear_backward, linear_forward
@@ -114,12 +115,11 @@ def _cast(
     accumulator read through its row index, the just-in-time flag from its newest history entry
     (delayed scaling), the backend's cast, the accumulator written back."""
     scales, step_amax, history = buffers
-    scale = scales.index_select(0, index).reshape(())
-    acc = step_amax.index_select(0, index).reshape(()) if record else None
-    jit: bool | Tensor = True if history is None else history.index_select(0, index)[0, -1] <= 0
-    q = backend.cast(CastRequest(x.detach(), handle._slots[role].spec, scale, jit, acc, transpose))
+    acc = read_at(step_amax, index) if record else None
+    jit: bool | Tensor = True if history is None else newest_at(history, index) <= 0
+    q = backend.cast(CastRequest(x.detach(), handle._slots[role].spec, read_at(scales, index), jit, acc, transpose))
     if acc is not None:
-        step_amax.index_copy_(0, index, acc.reshape(1))
+        write_at(step_amax, index, acc)
     return q
 
 

@@ -7,6 +7,7 @@ import functools
 import torch
 from torch import Tensor
 
+from scalestate.backends import Backend
 from scalestate.errors import CastError
 from scalestate.handle import ScalingHandle
 from scalestate.manager import ScalingStateManager
@@ -81,10 +82,19 @@ def linear(
     backend = handle.manager.backend
     # Fine-grained scales lie along one axis: every role is also cast along the other one.
     transpose = backend.wants_transposed(x.device) or handle.manager.recipe.granularity(Role.INPUT) is not None
+    out = None
     if not weight_transposed and torch.compiler.is_compiling():
-        fast = compiled_linear(x2, weight, bias, handle, transpose, out_dtype)
-        if fast is not None:
-            return fast if x.dim() == 2 else fast.reshape(*x.shape[:-1], out_features)
+        out = compiled_linear(x2, weight, bias, handle, transpose, out_dtype)
+    if out is None:
+        out = _through_casts(x2, weight, bias, handle, backend, transpose, out_dtype, weight_transposed)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out_features)
+
+
+def _through_casts(
+    x2: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle, backend: Backend, transpose: bool,
+    out_dtype: torch.dtype, weight_transposed: bool,
+) -> Tensor:
+    """:func:`linear` of 2-d ``x2`` through the handle's casts and :class:`FP8LinearFunction`."""
     qx = handle.quantize(x2, Role.INPUT, transpose=transpose)
     if weight_transposed:
         # Cast the parameter itself (the cache keys on it), in both orientations, and take the
@@ -102,7 +112,7 @@ def linear(
         )
     else:
         out = FP8LinearFunction.apply(x2, weight, bias, qx, qw, cast_grad, backend, out_dtype)  # type: ignore[no-untyped-call]
-    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out_features)
+    return out
 
 
 def _meta_linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle) -> Tensor:
