@@ -11,6 +11,8 @@ cast's operations into one kernel).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -27,6 +29,16 @@ from scalestate.backends.base import (
     group_spans,
     rows_then_zeros,
 )
+from scalestate.backends.emulation_cpu import (
+    SCRATCH_MIN_NUMEL,
+    TABLE_MIN_NUMEL,
+    CodeTables,
+    Scratch,
+    as_float32,
+    gather,
+    quiet,
+    saturate,
+)
 from scalestate.errors import CastError
 from scalestate.finegrained import quantize as fine_quantize
 from scalestate.granularity import GranularityKind
@@ -39,8 +51,8 @@ from scalestate.tiles import apply_tile_scales
 
 __all__ = ["EmulationBackend"]
 
-#: Below this many elements, a table lookup costs more than it saves.
-_TABLE_MIN_NUMEL = 4096
+#: The FP8 dtypes a product's operand is converted through a table when written into a reused buffer.
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: The methods grouped casts and products stand in for (see EmulationBackend.grouped_products).
 _OWN = ("cast", "dequantize", "scaled_mm")
 
@@ -54,20 +66,24 @@ class EmulationBackend:
     _row_major_groups = False
 
     def __init__(self) -> None:
-        self._e4m3_tables: dict[torch.device, Tensor] = {}
-        #: FP8 data -> (its scale_inv, its dequantization), while the data lives (see keep_dequantized).
+        self._tables = CodeTables()
+        #: FP8 data -> (its scale_inv, its dequantization, the thread whose scratch holds it or None),
+        #: while the data lives (see keep_dequantized).
         self._kept: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._scratch = Scratch()
 
     def __repr__(self) -> str:
         return "EmulationBackend()"
 
     def __getstate__(self) -> dict[str, object]:
-        """Its state for pickle and copy, without the kept dequantizations (of this process's tensors)."""
-        return {**self.__dict__, "_kept": None}
+        """Its state for pickle and copy, without the kept dequantizations (of this process's tensors)
+        and the buffers it reuses (its threads')."""
+        return {**self.__dict__, "_kept": None, "_scratch": None}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._kept = WeakIdKeyDictionary()
+        self._scratch = Scratch()
 
     def _products_key(self) -> str | None:
         """How compiled grouped layers' operators rebuild this backend (scalestate.nn.grouped_opaque):
@@ -89,10 +105,11 @@ class EmulationBackend:
             return self._cast_nvfp4(request)
         if spec.granularity is not None:
             return self._cast_fine(request)
-        xf = x if x.dtype == torch.float32 else x.float()
+        scratch = self._scratch if x.numel() >= SCRATCH_MIN_NUMEL and quiet(x, request.scale) else None
+        xf = as_float32(x, scratch)
         amax = abs_max(xf)  # NaN propagates, as a max of |x| must
         scale = _chosen(request, lambda: scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale))
-        data = (xf * scale).clamp_(-spec.fp8_max, spec.fp8_max).to(spec.dtype)
+        data = saturate(xf, scale, spec.fp8_max, spec.dtype, scratch)
         if request.record is not None:
             torch.maximum(request.record, amax, out=request.record)
         return _per_tensor(data, scale, torch.reciprocal(scale), request.transpose)
@@ -191,59 +208,102 @@ class EmulationBackend:
         """False: products of dequantized operands take any layout."""
         return False
 
-    def keep_dequantized(self, q: Quantized) -> None:
+    def keep_dequantized(self, q: Quantized, *, brief: bool = False) -> None:
         """Dequantize ``q`` (per tensor) once for every product that multiplies it while its data lives.
 
         The layers call this for operands that several products take: a
         weight's cast (its cache serves every microbatch of a step; forward and
         backward each multiply it) and the output gradient's (both gradient
-        products take it). :meth:`dequantize` then returns the kept values for
-        that data and for its transpose, the same tensor it would compute. The
-        kept copy is float32 (4 bytes per element) and lives as long as the
-        FP8 data does. Not while compiling, where the compiler fuses the
-        dequantization into its own kernels; not in subclasses that multiply
-        otherwise. Made out of sight of selective checkpointing (see
-        :mod:`scalestate.sac`), as whether it runs depends on what is kept.
+        products take it). :meth:`dequantize` and :meth:`scaled_mm` then use
+        the kept values for that data and for its transpose, the same tensor
+        they would compute. The kept copy is float32 (4 bytes per element) and
+        lives as long as the FP8 data does. Not while compiling, where the
+        compiler fuses the dequantization into its own kernels; not in
+        subclasses that multiply otherwise. Made out of sight of selective
+        checkpointing (see :mod:`scalestate.sac`), as whether it runs depends
+        on what is kept.
+
+        With ``brief``, the products that take ``q`` run before the next brief
+        keep on this thread (an output gradient, within one layer's
+        backward): its copy is written into a buffer this thread reuses, which
+        the next brief keep takes over (the copy is then forgotten, and made
+        afresh if asked for). Only :meth:`scaled_mm` on this thread uses it;
+        :meth:`dequantize` computes afresh.
         """
         if type(self).scaled_mm is not EmulationBackend.scaled_mm or torch.compiler.is_compiling():
             return
-        for o in (q.primary, q.other):
+        for side, o in enumerate((q.primary, q.other)):
             if o is None or o.tile is not None or o.packing is not None or o.data._base is not None:
                 continue
             kept = self._kept.get(o.data)  # type: ignore[no-untyped-call]  # untyped in torch
-            if kept is None or kept[0] is not o.scale_inv:
-                with hidden_from_sac():
-                    self._kept[o.data] = (o.scale_inv, self._dequantize(Quantized.of(o)))
+            if kept is not None and kept[0] is o.scale_inv:
+                continue
+            with hidden_from_sac():
+                if brief and self._fits_scratch(o.data, o.scale_inv):
+                    name = f"brief{side}"
+                    self._forget_brief(name, o.data)
+                    values = gather(self._tables, o.data, o.scale_inv, (self._scratch, name))
+                    self._kept[o.data] = (o.scale_inv, values, threading.get_ident())
+                else:
+                    self._kept[o.data] = (o.scale_inv, self._dequantize(Quantized.of(o)), None)
+
+    def _forget_brief(self, name: str, holder: Tensor) -> None:
+        """Hand this thread's buffer ``name`` to ``holder``'s brief copy, forgetting the copy it held."""
+        holders: dict[str, weakref.ref[Tensor]] = self._scratch.holders()
+        previous = holders.get(name)
+        data = None if previous is None else previous()
+        if data is not None:
+            entry = self._kept.get(data)  # type: ignore[no-untyped-call]  # untyped in torch
+            if entry is not None and entry[2] == threading.get_ident():
+                del self._kept[data]
+        holders[name] = weakref.ref(holder)
+
+    def _fits_scratch(self, data: Tensor, scale_inv: Tensor) -> bool:
+        """Whether ``data`` (per tensor, FP8) is dequantized into a reused buffer: large, and unseen."""
+        return (
+            data.numel() >= SCRATCH_MIN_NUMEL and data.dtype in _FP8 and scale_inv.dim() == 0
+            and quiet(data, scale_inv)
+        )
+
+    def _kept_values(self, q: Quantized, brief: bool) -> Tensor | None:
+        """The kept dequantization of ``q``'s data or of its transpose (with ``brief``, also this
+        thread's brief copies), or None."""
+        if q.tile is not None or torch.compiler.is_compiling() or not self._kept:  # nothing kept while compiling
+            return None
+        data = q.data
+        base = data if data._base is None else data._base
+        kept = self._kept.get(base)  # type: ignore[no-untyped-call]  # untyped in torch
+        if kept is None or kept[0] is not q.scale_inv or (kept[2] is not None and kept[2] != threading.get_ident()):
+            return None
+        if kept[2] is not None and not brief:
+            return None
+        values: Tensor = kept[1]
+        if data.storage_offset() == base.storage_offset():
+            if data.shape == base.shape and data.stride() == base.stride():
+                return values
+            if data.shape == base.shape[::-1] and data.stride() == base.stride()[::-1]:
+                return values.t()
+        return None
 
     def dequantize(self, q: Quantized) -> Tensor:
         """``q.data * q.scale_inv`` in float32, each factor over its tile.
 
         On CPU, torch's E4M3 to float32 cast is several times slower than a
-        gather from a 256-entry table built with that very cast; large E4M3
-        operands are converted through it. Per-tensor scales scale the table
-        first (256 products instead of one per element), which gives the same
-        bits as scaling every element; per-tile scales are applied to the
-        gathered values. Data :meth:`keep_dequantized` kept (or its transpose)
-        is not dequantized again.
+        lookup in a table built with that very cast; large E4M3 operands are
+        converted through it (:func:`scalestate.backends.emulation_cpu.gather`).
+        Per-tensor scales scale the table first, which gives the same bits as
+        scaling every element; per-tile scales are applied to the gathered
+        values. Data :meth:`keep_dequantized` kept (or its transpose) is not
+        dequantized again.
         """
-        if q.tile is None and not torch.compiler.is_compiling() and self._kept:  # nothing is kept while compiling
-            data = q.data
-            base = data if data._base is None else data._base
-            kept = self._kept.get(base)  # type: ignore[no-untyped-call]  # untyped in torch
-            if kept is not None and kept[0] is q.scale_inv:
-                values: Tensor = kept[1]
-                if data.storage_offset() == base.storage_offset():
-                    if data.shape == base.shape and data.stride() == base.stride():
-                        return values
-                    if data.shape == base.shape[::-1] and data.stride() == base.stride()[::-1]:
-                        return values.t()
-        return self._dequantize(q)
+        kept = self._kept_values(q, brief=False)
+        return kept if kept is not None else self._dequantize(q)
 
     def _dequantize(self, q: Quantized) -> Tensor:
         """What :meth:`dequantize` computes, with nothing kept."""
         data = q.data
         if (
-            data.numel() < _TABLE_MIN_NUMEL
+            data.numel() < TABLE_MIN_NUMEL
             or data.dtype != torch.float8_e4m3fn
             or data.device.type != "cpu"
             or torch.compiler.is_compiling()
@@ -251,24 +311,20 @@ class EmulationBackend:
             # Out of place: selective checkpointing may keep the converted data (see scalestate.sac).
             return q.dequantize() if q.tile is not None else data.to(torch.float32) * q.scale_inv
         if q.tile is not None:
-            return apply_tile_scales(self._gather(data, None), q.scale_inv, q.tile)
-        return self._gather(data, q.scale_inv)
+            return apply_tile_scales(gather(self._tables, data, None), q.scale_inv, q.tile)
+        return gather(self._tables, data, q.scale_inv)
 
-    def _gather(self, data: Tensor, scale_inv: Tensor | None) -> Tensor:
-        """E4M3 ``data`` as float32 (times a 0-d ``scale_inv`` if given) through the table."""
-        table = self._e4m3_tables.get(data.device)
-        if table is None:
-            # Built once, out of sight of selective checkpointing: a recompute would not build it again.
-            with hidden_from_sac():
-                codes = torch.arange(256, dtype=torch.uint8, device=data.device)
-                table = self._e4m3_tables[data.device] = codes.view(torch.float8_e4m3fn).float()
-        codes = data.view(torch.uint8)
-        flip = codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous()
-        if flip:  # a transposed operand: gather in its memory order, transpose back
-            codes = codes.t()
-        values = torch.index_select(table if scale_inv is None else table * scale_inv, 0, codes.reshape(-1).int())
-        values = values.view(codes.shape)
-        return values.t() if flip else values
+    def _operand(self, q: Quantized, name: str) -> Tensor:
+        """``q`` dequantized for one product: kept values, or (where unseen) values written into this
+        thread's buffer ``name``, or :meth:`dequantize`'s."""
+        if type(self).dequantize is not EmulationBackend.dequantize:
+            return self.dequantize(q)  # a subclass's own
+        kept = self._kept_values(q, brief=True)
+        if kept is not None:
+            return kept
+        if q.tile is None and self._fits_scratch(q.data, q.scale_inv):
+            return gather(self._tables, q.data, q.scale_inv, (self._scratch, name))
+        return self._dequantize(q)
 
     def scaled_mm(
         self,
@@ -278,10 +334,18 @@ class EmulationBackend:
         out_dtype: torch.dtype,
         bias: Tensor | None = None,
     ) -> Tensor:
-        """Dequantize both operands, multiply in float32, add ``bias``, cast."""
-        out = torch.mm(self.dequantize(a), self.dequantize(b))
+        """Dequantize both operands, multiply in float32, add ``bias``, cast.
+
+        Operands are dequantized into buffers this thread reuses where no
+        one else can see them (:func:`scalestate.backends.emulation_cpu.quiet`),
+        and the bias is then added in place: the same bits.
+        """
+        out = torch.mm(self._operand(a, "a"), self._operand(b, "b"))
         if bias is not None:
-            out = out + bias.float()
+            if out.numel() >= SCRATCH_MIN_NUMEL and quiet(out):  # nothing else holds the product
+                out += bias.float()
+            else:
+                out = out + bias.float()
         return out if out_dtype == torch.float32 else out.to(out_dtype)
 
     def update(self, update: StepUpdate) -> None:

@@ -209,7 +209,7 @@ class TestKeptDequantization:
         the bits of a backend that keeps nothing."""
 
         class KeepsNothing(EmulationBackend):
-            def keep_dequantized(self, q: Quantized) -> None:
+            def keep_dequantized(self, q: Quantized, *, brief: bool = False) -> None:
                 pass
 
         def run(backend):

@@ -102,7 +102,7 @@ def linear_backward(ctx: Any, grad_out: Tensor, cast_grad: GradCaster) -> tuple[
     if need_x or need_w:
         qg = cast_grad(grad_out, ctx.x_is_transposed)
         if need_x and need_w:
-            _keep(backend, qg)  # both products take it
+            _keep(backend, qg, brief=True)  # both products take it, in this backward
         grad_x, grad_w = backward_products(
             backend, qg, qx, qw, ctx.x_is_transposed, (x_dtype if need_x else None, w_dtype if need_w else None)
         )
@@ -113,11 +113,15 @@ def linear_backward(ctx: Any, grad_out: Tensor, cast_grad: GradCaster) -> tuple[
     return grad_x, grad_w, grad_b
 
 
-def _keep(backend: Backend, q: Quantized) -> None:
-    """Tell a backend that dequantizes its operands (the emulation) that several products take ``q``."""
+def _keep(backend: Backend, q: Quantized, brief: bool = False) -> None:
+    """Tell a backend that dequantizes its operands (the emulation) that several products take ``q``
+    (with ``brief``, products that run next: see ``EmulationBackend.keep_dequantized``)."""
     keep = getattr(backend, "keep_dequantized", None)
     if keep is not None:
-        keep(q)
+        if brief:
+            keep(q, brief=True)
+        else:
+            keep(q)
 
 
 def forward_product(

@@ -1,0 +1,190 @@
+"""The emulation backend's eager CPU work: FP8 codes through tables, and buffers reused from call to call.
+
+Each function here computes exactly what the plain torch expression it
+stands in for computes (a table holds torch's own conversion of every code;
+a product written into a buffer is the same product), only faster on CPU:
+
+* :func:`gather` converts FP8 codes to float32 by table lookup: torch's CPU
+  conversion of E4M3 is several times slower than a lookup, and a per-tensor
+  scale multiplies the table's entries instead of every element. Where the
+  bytes pair up, one lookup converts two codes.
+* :class:`Scratch` holds float32 and index buffers that a backend writes its
+  transient operands into (a cast's scaled copy, a product's dequantized
+  operand), one set per thread. A training step then asks the allocator for
+  no more large blocks than the float32 layer does (plus the FP8 data): each
+  fresh large block costs page faults, and glibc hands the top of its heap
+  back to the system once enough of it is free, so that the next step
+  faults its pages in again.
+
+Buffers are reused only where nothing but the caller can hold the tensor
+written into them (:func:`quiet`): eager code, no dispatch mode on the stack
+(selective checkpointing, an operation counter, fake tensors), no tensor that
+needs a gradient, and plain tensors on CPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+
+import torch
+from torch import Tensor
+
+from scalestate.sac import hidden_from_sac
+
+__all__ = [
+    "PAIRED_MIN_NUMEL",
+    "SCRATCH_MIN_NUMEL",
+    "TABLE_MIN_NUMEL",
+    "CodeTables",
+    "Scratch",
+    "as_float32",
+    "gather",
+    "quiet",
+    "saturate",
+]
+
+#: Below this many elements, a table lookup costs more than it saves.
+TABLE_MIN_NUMEL = 4096
+#: From this many elements on, a transient float32 tensor is written into a reused buffer (where
+#: :func:`quiet` holds); smaller ones (under 256 KiB) come from the allocator's free lists.
+SCRATCH_MIN_NUMEL = 1 << 19
+#: From this many codes on, the table of pairs (65,536 entries, scaled for each conversion) costs less than
+#: it saves; below it, the table of single codes.
+PAIRED_MIN_NUMEL = 1 << 17
+#: Whether memory holds the low byte of a 16-bit value first (the layout of the paired table).
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def quiet(*tensors: Tensor) -> bool:
+    """Whether work on ``tensors`` may write into reused buffers unseen.
+
+    True in eager code (not compiling, not in inference mode) with no
+    dispatch mode on the stack, for plain CPU tensors none of which needs a
+    gradient: no mode can keep an intermediate result, and autograd saves
+    none, so that only the caller ever holds a tensor written into a buffer.
+    """
+    return (
+        not torch.compiler.is_compiling()
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch.is_inference_mode_enabled()
+        and all(type(t) is Tensor and t.device.type == "cpu" and not t.requires_grad for t in tensors)
+    )
+
+
+class CodeTables:
+    """Every code of an FP8 dtype as float32, made with torch's own conversion (a lookup gives its bits)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[torch.dtype, torch.device, bool], Tensor] = {}
+
+    def __call__(self, dtype: torch.dtype, device: torch.device, paired: bool) -> Tensor:
+        """The 256 codes' values, or with ``paired`` the 65,536 pairs' as a (65536, 2) tensor (pair
+        ``lo + 256 * hi`` is ``(value(lo), value(hi))``, the order memory holds two codes in). Made once per
+        dtype and device, out of sight of selective checkpointing (a recompute would not make it again)."""
+        key = (dtype, device, paired)
+        table = self._made.get(key)
+        if table is None:
+            with hidden_from_sac():
+                table = torch.arange(256, dtype=torch.uint8, device=device).view(dtype).float()
+                if paired:
+                    pairs = torch.arange(65536, dtype=torch.int32, device=device)
+                    table = torch.stack((table[pairs & 255], table[pairs >> 8]), dim=1)
+            self._made[key] = table
+        return table
+
+
+class Scratch:
+    """Buffers reused from call to call: one per name, dtype and device, in each thread.
+
+    A buffer grows to the largest request it has served and stays allocated
+    while its owner lives. Its contents hold until the next request for the
+    same name on the same thread; a caller must be done with them by then.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __call__(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The first ``numel`` elements of this thread's buffer ``name`` (contiguous, 1-d, uninitialized)."""
+        buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = self._local.__dict__.setdefault("buffers", {})
+        key = (name, dtype, device)
+        buffer = buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffers.pop(key, None)  # freed before the larger one is allocated
+            buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer if buffer.numel() == numel else buffer[:numel]
+
+    def holders(self) -> dict[str, weakref.ref[Tensor]]:
+        """This thread's record of which tensor each buffer's contents were made for (the caller's to keep)."""
+        holders: dict[str, weakref.ref[Tensor]] = self._local.__dict__.setdefault("holders", {})
+        return holders
+
+
+def gather(
+    tables: CodeTables, data: Tensor, scale_inv: Tensor | None, into: tuple[Scratch, str] | None = None
+) -> Tensor:
+    """FP8 ``data`` as float32 (times a 0-d float32 ``scale_inv`` if given): ``data.float() * scale_inv``.
+
+    The table is scaled first (its products are the elements' products).
+    Two codes at a time where their bytes pair up (an even count of at
+    least :data:`PAIRED_MIN_NUMEL` from an even offset, in memory order): each 16-bit pair indexes the table of
+    pairs, read as float64 so that one lookup moves both values. A
+    transposed operand is converted in memory order and returned transposed.
+    With ``into`` (a scratch and a buffer name; only where :func:`quiet`
+    holds), the values are written into that buffer, the indices into the
+    scratch's ``"index"`` buffer and the scaled table into its ``"table"``
+    buffer: nothing is allocated.
+    """
+    codes = data.view(torch.uint8)
+    flip = codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous()
+    if flip:
+        codes = codes.t()
+    flat = codes.reshape(-1)
+    paired = (
+        _LITTLE_ENDIAN and flat.numel() >= PAIRED_MIN_NUMEL and flat.numel() % 2 == 0
+        and flat.storage_offset() % 2 == 0
+    )
+    table = tables(data.dtype, data.device, paired)
+    if scale_inv is not None:
+        if into is None:
+            table = table * scale_inv
+        else:
+            scaled = into[0]("table", table.numel(), torch.float32, data.device).view(table.shape)
+            table = torch.mul(table, scale_inv, out=scaled)
+    keys = flat.view(torch.uint16) if paired else flat
+    lookup = table.view(torch.float64).view(-1) if paired else table
+    if into is None:
+        values = torch.index_select(lookup, 0, keys.int())
+    else:
+        scratch, name = into
+        index = scratch("index", keys.numel(), torch.int32, data.device).copy_(keys)
+        out = scratch(name, flat.numel(), torch.float32, data.device).view(lookup.dtype)
+        values = torch.index_select(lookup, 0, index, out=out)
+    values = values.view(torch.float32).view(codes.shape)
+    return values.t() if flip else values
+
+
+def as_float32(x: Tensor, scratch: Scratch | None) -> Tensor:
+    """``x`` in float32: ``x`` itself, or ``x.float()`` (with ``scratch``, only where :func:`quiet` holds,
+    a contiguous ``x`` converted into the scratch's ``"float32"`` buffer)."""
+    if x.dtype == torch.float32:
+        return x
+    if scratch is None or not x.is_contiguous():
+        return x.float()
+    return scratch("float32", x.numel(), torch.float32, x.device).view(x.shape).copy_(x)
+
+
+def saturate(xf: Tensor, scale: Tensor, fp8_max: float, dtype: torch.dtype, scratch: Scratch | None) -> Tensor:
+    """``(xf * scale).clamp_(-fp8_max, fp8_max).to(dtype)``: the saturating cast of float32 ``xf``.
+
+    With ``scratch`` (only where :func:`quiet` holds), a contiguous ``xf``'s
+    scaled copy is made in the scratch's ``"cast"`` buffer: the FP8 data is
+    the one tensor allocated.
+    """
+    if scratch is None or not xf.is_contiguous():
+        return (xf * scale).clamp_(-fp8_max, fp8_max).to(dtype)
+    scaled = scratch("cast", xf.numel(), torch.float32, xf.device).view(xf.shape)
+    torch.mul(xf, scale, out=scaled).clamp_(-fp8_max, fp8_max)
+    return scaled.to(dtype)

@@ -1,0 +1,203 @@
+"""scalestate.backends.emulation_cpu: table lookups and reused buffers give the plain operations' bits,
+and an FP8 layer's eager step asks the allocator for no more large blocks than a float32 layer's."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import scalestate as ss
+from scalestate.backends import CastRequest, CastSpec
+from scalestate.backends.emulation import EmulationBackend
+from scalestate.backends.emulation_cpu import (
+    PAIRED_MIN_NUMEL,
+    SCRATCH_MIN_NUMEL,
+    CodeTables,
+    Scratch,
+    gather,
+    quiet,
+    saturate,
+)
+from scalestate.quantized import Quantized
+from scalestate.testing import OpLog, assert_same
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_IDS = ["e4m3", "e5m2"]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Float32 values as their bit patterns: NaNs compare by payload and sign too."""
+    return t.contiguous().view(torch.int32)
+
+
+def every_code(dtype: torch.dtype, rows: int = 520) -> torch.Tensor:
+    """Every one of the 256 codes (NaNs included), ``rows`` times over, as a (rows, 256) tensor."""
+    return torch.arange(256, dtype=torch.uint8).repeat(rows, 1).view(dtype)
+
+
+class TestGather:
+    @pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+    @pytest.mark.parametrize("layout", ["rows", "transposed", "odd_count", "odd_offset"])
+    @pytest.mark.parametrize("into", [False, True], ids=["fresh", "into_scratch"])
+    def test_the_bits_of_torchs_conversion(self, dtype, layout, into):
+        """Every code, paired or not (an odd count, an odd offset), in either memory order:
+        ``data.float() * scale_inv``, bit for bit."""
+        assert every_code(dtype).numel() >= PAIRED_MIN_NUMEL
+        data = every_code(dtype)
+        data = {
+            "rows": data,
+            "transposed": data.t().contiguous().t(),
+            "odd_count": data.reshape(-1)[:PAIRED_MIN_NUMEL + 1],
+            "odd_offset": data.reshape(-1)[1 : PAIRED_MIN_NUMEL + 1],
+        }[layout]
+        for scale_inv in (None, torch.tensor(0.37), torch.tensor(3.0e-5)):
+            want = data.float() if scale_inv is None else data.float() * scale_inv
+            got = gather(CodeTables(), data, scale_inv, (Scratch(), "out") if into else None)
+            assert got.shape == want.shape and got.stride() == want.stride()
+            assert torch.equal(bits(got), bits(want)), (layout, scale_inv)
+
+    def test_into_scratch_writes_the_named_buffer(self):
+        scratch, data = Scratch(), every_code(torch.float8_e4m3fn)
+        got = gather(CodeTables(), data, torch.tensor(2.0), (scratch, "out"))
+        assert got.data_ptr() == scratch("out", data.numel(), torch.float32, data.device).data_ptr()
+
+
+class TestSaturate:
+    @pytest.mark.parametrize(("dtype", "fp8_max"), [(torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)],
+                             ids=FP8_IDS)
+    def test_the_bits_of_the_plain_cast(self, dtype, fp8_max):
+        torch.manual_seed(0)
+        x = torch.randn(64, 128) * 1000
+        x[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e38])
+        for scratch in (None, Scratch()):
+            for scale in (torch.tensor(1.0), torch.tensor(0.01), torch.tensor(7.5)):
+                want = (x * scale).clamp_(-fp8_max, fp8_max).to(dtype)
+                got = saturate(x, scale, fp8_max, dtype, scratch)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+                assert got.stride() == want.stride()
+            got_t = saturate(x.t(), torch.tensor(0.5), fp8_max, dtype, scratch)  # not contiguous: the plain cast
+            assert torch.equal(got_t.view(torch.uint8), (x.t() * 0.5).clamp_(-fp8_max, fp8_max).to(dtype)
+                               .view(torch.uint8))
+
+
+class TestScratch:
+    def test_reused_grown_and_per_thread(self):
+        scratch = Scratch()
+        first = scratch("a", 100, torch.float32, torch.device("cpu"))
+        assert scratch("a", 50, torch.float32, torch.device("cpu")).data_ptr() == first.data_ptr()
+        assert scratch("b", 100, torch.float32, torch.device("cpu")).data_ptr() != first.data_ptr()
+        grown = scratch("a", 1000, torch.float32, torch.device("cpu"))
+        assert grown.numel() == 1000
+        assert scratch("a", 10, torch.float32, torch.device("cpu")).data_ptr() == grown.data_ptr()
+        other: list[int] = []
+        thread = threading.Thread(target=lambda: other.append(scratch("a", 10, torch.float32,
+                                                                     torch.device("cpu")).data_ptr()))
+        thread.start()
+        thread.join()
+        assert other[0] != grown.data_ptr(), "two threads were handed one buffer"
+
+
+class TestQuiet:
+    def test_only_where_no_one_else_can_hold_a_result(self):
+        x = torch.ones(4)
+        assert quiet(x)
+        assert not quiet(x.requires_grad_())
+        with OpLog():
+            assert not quiet(torch.ones(4)), "a dispatch mode on the stack sees (and may keep) every result"
+        with torch.inference_mode():
+            assert not quiet(torch.ones(4))
+        assert not quiet(torch.ones(4, device="meta"))
+        assert not quiet(torch.nn.Parameter(torch.ones(4), requires_grad=False))
+
+
+def _train(recipe: ss.Recipe) -> list[torch.Tensor]:
+    """Two layers of different sizes (the buffers grow, then serve both), two microbatches a step; every
+    activation and gradient large enough to be written into the reused buffers."""
+    torch.manual_seed(0)
+    manager = ss.ScalingStateManager(recipe, backend="emulation")
+    model = torch.nn.Sequential(
+        ss.nn.Linear(512, 384, manager=manager, name="a"), torch.nn.ReLU(),
+        ss.nn.Linear(384, 256, manager=manager, name="b", bias=False),
+    )
+    assert SCRATCH_MIN_NUMEL <= 2048 * 256  # the smallest activation or gradient
+    out: list[torch.Tensor] = []
+    for _ in range(3):
+        for _ in range(2):
+            x = torch.randn(2048, 512, requires_grad=True)
+            with manager.forward():
+                y = model(x)
+            with manager.backward():
+                y.square().mean().backward()
+            out += [y.detach(), x.grad]
+        manager.step()
+        out += [p.grad for p in model.parameters()]
+        model.zero_grad()
+    return out + list(manager.buffers().values())
+
+
+@pytest.mark.parametrize("recipe", [ss.DelayedScaling(history_len=4), ss.CurrentScaling()], ids=["delayed", "current"])
+def test_training_with_reused_buffers_gives_the_plain_bits(recipe):
+    """The same training, once as usual and once under an operation log (a dispatch mode: every cast and
+    product then allocates its results as the plain expressions do): the same bits."""
+    reused = _train(recipe)
+    with OpLog():
+        plain = _train(recipe)
+    assert_same(reused, plain, bits=True)
+
+
+def test_brief_copies_are_forgotten_when_their_buffer_is_taken():
+    """A brief copy serves products until the next brief keep takes its buffer; then its data is dequantized
+    afresh, and dequantize() never hands out a buffer."""
+    torch.manual_seed(0)
+    backend = EmulationBackend()
+
+    def q(seed: int) -> Quantized:
+        torch.manual_seed(seed)
+        return backend.cast(CastRequest(torch.randn(1024, 512), CastSpec(torch.float8_e5m2, 57344.0),
+                                        torch.tensor(1.0), True, None, False))
+
+    first, second, w = q(1), q(2), q(3)
+    assert first.data.numel() >= SCRATCH_MIN_NUMEL
+
+    def plain(a: Quantized) -> torch.Tensor:
+        return torch.mm(a.dequantize(), w.dequantize().t())
+
+    backend.keep_dequantized(first, brief=True)
+    assert torch.equal(backend.scaled_mm(first, w.t(), out_dtype=torch.float32), plain(first))
+    backend.keep_dequantized(second, brief=True)  # takes the buffer that held first's copy
+    for a in (first, second, first):
+        assert torch.equal(backend.scaled_mm(a, w.t(), out_dtype=torch.float32), plain(a))
+    held = backend.dequantize(second)
+    backend.keep_dequantized(first, brief=True)
+    assert torch.equal(held, second.dequantize()), "dequantize() returned a buffer a later keep overwrote"
+
+
+def _large_blocks(step, min_bytes: int) -> int:
+    """How many blocks of at least ``min_bytes`` one call of ``step`` allocates on CPU."""
+    step()  # buffers, caches and tables are made in the first call
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    return sum(1 for e in prof.events() if e.self_cpu_memory_usage >= min_bytes)
+
+
+def test_an_fp8_step_allocates_no_more_large_blocks_than_a_float32_step():
+    """Each large block costs page faults (see the module's notes): an eager ss.nn.Linear's forward and
+    backward allocates what torch.nn.Linear's does (output, input and weight gradients) and the two FP8
+    casts' data, and nothing else that grows with the tensors."""
+    torch.manual_seed(0)
+    manager = ss.ScalingStateManager(ss.DelayedScaling(), backend="emulation")
+    layers = {"fp8": ss.nn.Linear(256, 256, manager=manager), "fp32": torch.nn.Linear(256, 256)}
+    x, g = torch.randn(2048, 256, requires_grad=True), torch.randn(2048, 256)
+    assert x.numel() >= SCRATCH_MIN_NUMEL
+
+    def step(layer: torch.nn.Module) -> None:
+        layer(x).backward(g)
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+
+    fp8_bytes = x.numel()  # the smallest large block: an FP8 copy of the input or its gradient
+    blocks = {name: _large_blocks(lambda layer=layer: step(layer), fp8_bytes) for name, layer in layers.items()}
+    assert blocks["fp8"] <= blocks["fp32"] + 2, blocks
