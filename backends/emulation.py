@@ -11,13 +11,10 @@ cast's operations into one kernel).
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from scalestate.backends.base import (
     HOST_READ_OP,
@@ -39,6 +36,7 @@ from scalestate.backends.emulation_cpu import (
     quiet,
     saturate,
 )
+from scalestate.backends.emulation_kept import KeptCopies
 from scalestate.errors import CastError
 from scalestate.finegrained import quantize as fine_quantize
 from scalestate.granularity import GranularityKind
@@ -67,9 +65,7 @@ class EmulationBackend:
 
     def __init__(self) -> None:
         self._tables = CodeTables()
-        #: FP8 data -> (its scale_inv, its dequantization, the thread whose scratch holds it or None),
-        #: while the data lives (see keep_dequantized).
-        self._kept: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._kept = KeptCopies()  # see keep_dequantized
         self._scratch = Scratch()
 
     def __repr__(self) -> str:
@@ -82,7 +78,18 @@ class EmulationBackend:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        self._kept = WeakIdKeyDictionary()
+        self._kept = KeptCopies()
+        self._scratch = Scratch()
+
+    def buffer_bytes(self) -> int:
+        """The bytes of the buffers this thread's eager CPU casts and products reuse
+        (:mod:`scalestate.backends.emulation_cpu`): up to three float32 buffers the size of the largest
+        operand (four with inputs in another dtype), an index buffer and a table."""
+        return self._scratch.nbytes()
+
+    def release_buffers(self) -> None:
+        """Free the buffers every thread's eager CPU casts and products reuse. The next cast or product
+        that uses one allocates it again; a copy :meth:`keep_dequantized` made with ``brief`` stays valid."""
         self._scratch = Scratch()
 
     def _products_key(self) -> str | None:
@@ -235,28 +242,16 @@ class EmulationBackend:
         for side, o in enumerate((q.primary, q.other)):
             if o is None or o.tile is not None or o.packing is not None or o.data._base is not None:
                 continue
-            kept = self._kept.get(o.data)  # type: ignore[no-untyped-call]  # untyped in torch
-            if kept is not None and kept[0] is o.scale_inv:
+            if self._kept.holds(o.data, o.scale_inv):
                 continue
             with hidden_from_sac():
                 if brief and self._fits_scratch(o.data, o.scale_inv):
                     name = f"brief{side}"
-                    self._forget_brief(name, o.data)
+                    self._kept.take_buffer(self._scratch, name)
                     values = gather(self._tables, o.data, o.scale_inv, (self._scratch, name))
-                    self._kept[o.data] = (o.scale_inv, values, threading.get_ident())
+                    self._kept.keep_brief(o.data, o.scale_inv, values, self._scratch, name)
                 else:
-                    self._kept[o.data] = (o.scale_inv, self._dequantize(Quantized.of(o)), None)
-
-    def _forget_brief(self, name: str, holder: Tensor) -> None:
-        """Hand this thread's buffer ``name`` to ``holder``'s brief copy, forgetting the copy it held."""
-        holders: dict[str, weakref.ref[Tensor]] = self._scratch.holders()
-        previous = holders.get(name)
-        data = None if previous is None else previous()
-        if data is not None:
-            entry = self._kept.get(data)  # type: ignore[no-untyped-call]  # untyped in torch
-            if entry is not None and entry[2] == threading.get_ident():
-                del self._kept[data]
-        holders[name] = weakref.ref(holder)
+                    self._kept.keep(o.data, o.scale_inv, self._dequantize(Quantized.of(o)))
 
     def _fits_scratch(self, data: Tensor, scale_inv: Tensor) -> bool:
         """Whether ``data`` (per tensor, FP8) is dequantized into a reused buffer: large, and unseen."""
@@ -266,24 +261,9 @@ class EmulationBackend:
         )
 
     def _kept_values(self, q: Quantized, brief: bool) -> Tensor | None:
-        """The kept dequantization of ``q``'s data or of its transpose (with ``brief``, also this
-        thread's brief copies), or None."""
-        if q.tile is not None or torch.compiler.is_compiling() or not self._kept:  # nothing kept while compiling
-            return None
-        data = q.data
-        base = data if data._base is None else data._base
-        kept = self._kept.get(base)  # type: ignore[no-untyped-call]  # untyped in torch
-        if kept is None or kept[0] is not q.scale_inv or (kept[2] is not None and kept[2] != threading.get_ident()):
-            return None
-        if kept[2] is not None and not brief:
-            return None
-        values: Tensor = kept[1]
-        if data.storage_offset() == base.storage_offset():
-            if data.shape == base.shape and data.stride() == base.stride():
-                return values
-            if data.shape == base.shape[::-1] and data.stride() == base.stride()[::-1]:
-                return values.t()
-        return None
+        """The kept dequantization of ``q`` (with ``brief``, also this thread's brief copies), or None;
+        nothing is kept while compiling."""
+        return None if torch.compiler.is_compiling() else self._kept.get(q, brief)
 
     def dequantize(self, q: Quantized) -> Tensor:
         """``q.data * q.scale_inv`` in float32, each factor over its tile.

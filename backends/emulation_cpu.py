@@ -116,6 +116,11 @@ class Scratch:
             buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
         return buffer if buffer.numel() == numel else buffer[:numel]
 
+    def nbytes(self) -> int:
+        """The bytes of this thread's buffers."""
+        buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = self._local.__dict__.get("buffers", {})
+        return sum(b.numel() * b.element_size() for b in buffers.values())
+
     def holders(self) -> dict[str, weakref.ref[Tensor]]:
         """This thread's record of which tensor each buffer's contents were made for (the caller's to keep)."""
         holders: dict[str, weakref.ref[Tensor]] = self._local.__dict__.setdefault("holders", {})
@@ -180,11 +185,11 @@ def saturate(xf: Tensor, scale: Tensor, fp8_max: float, dtype: torch.dtype, scra
     """``(xf * scale).clamp_(-fp8_max, fp8_max).to(dtype)``: the saturating cast of float32 ``xf``.
 
     With ``scratch`` (only where :func:`quiet` holds), a contiguous ``xf``'s
-    scaled copy is made in the scratch's ``"cast"`` buffer: the FP8 data is
+    scaled copy is made in the scratch's ``"a"`` buffer: the FP8 data is
     the one tensor allocated.
     """
     if scratch is None or not xf.is_contiguous():
         return (xf * scale).clamp_(-fp8_max, fp8_max).to(dtype)
-    scaled = scratch("cast", xf.numel(), torch.float32, xf.device).view(xf.shape)
+    scaled = scratch("a", xf.numel(), torch.float32, xf.device).view(xf.shape)
     torch.mul(xf, scale, out=scaled).clamp_(-fp8_max, fp8_max)
     return scaled.to(dtype)

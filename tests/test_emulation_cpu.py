@@ -21,6 +21,7 @@ from scalestate.backends.emulation_cpu import (
     quiet,
     saturate,
 )
+from scalestate.backends.emulation_kept import KeptCopies
 from scalestate.quantized import Quantized
 from scalestate.testing import OpLog, assert_same
 
@@ -173,6 +174,39 @@ def test_brief_copies_are_forgotten_when_their_buffer_is_taken():
     held = backend.dequantize(second)
     backend.keep_dequantized(first, brief=True)
     assert torch.equal(held, second.dequantize()), "dequantize() returned a buffer a later keep overwrote"
+
+
+def test_release_buffers_frees_them_and_training_goes_on_bitwise():
+    torch.manual_seed(0)
+    backend = EmulationBackend()
+    manager = ss.ScalingStateManager(ss.CurrentScaling(), backend=backend)
+    layer = ss.nn.Linear(512, 512, manager=manager)
+    x = torch.randn(2048, 512)
+    assert backend.buffer_bytes() == 0
+    with manager.forward():
+        first = layer(x)
+    held = backend.buffer_bytes()
+    assert held >= 4 * x.numel(), held  # at least the input's float32 operand
+    backend.release_buffers()
+    assert backend.buffer_bytes() == 0
+    with manager.forward():
+        again = layer(x)
+    assert torch.equal(again, first) and backend.buffer_bytes() == held
+
+
+def test_a_brief_copy_serves_its_own_thread_only():
+    """Another thread may overwrite its buffer at any time: no other thread is handed it."""
+    kept, scratch = KeptCopies(), Scratch()
+    q = Quantized(torch.ones(4, 8, dtype=torch.float8_e4m3fn), scale_inv=torch.tensor(2.0))
+    values = scratch("brief0", 32, torch.float32, q.data.device).view(4, 8).fill_(2.0)
+    kept.take_buffer(scratch, "brief0")
+    kept.keep_brief(q.data, q.scale_inv, values, scratch, "brief0")
+    assert kept.get(q, brief=True) is values and kept.get(q, brief=False) is None
+    seen: list[object] = []
+    thread = threading.Thread(target=lambda: seen.append(kept.get(q, brief=True)))
+    thread.start()
+    thread.join()
+    assert seen == [None]
 
 
 def _large_blocks(step, min_bytes: int) -> int:
