@@ -27,13 +27,12 @@ from scalestate.backends.base import (
     rows_then_zeros,
 )
 from scalestate.backends.emulation_cpu import (
-    SCRATCH_MIN_NUMEL,
     TABLE_MIN_NUMEL,
     CodeTables,
     Scratch,
     as_float32,
     gather,
-    quiet,
+    reusable,
     saturate,
 )
 from scalestate.backends.emulation_kept import KeptCopies
@@ -42,15 +41,13 @@ from scalestate.finegrained import quantize as fine_quantize
 from scalestate.granularity import GranularityKind
 from scalestate.math import abs_max, ints_on, scale_from_amax, update_scales
 from scalestate.nvfp4 import quantize_nvfp4, tensor_scale
-from scalestate.quantized import Orientation, Quantized
+from scalestate.quantized import FP8_DTYPES, Orientation, Quantized
 from scalestate.recipe import Recipe
 from scalestate.sac import hidden_from_sac
 from scalestate.tiles import apply_tile_scales
 
 __all__ = ["EmulationBackend"]
 
-#: The FP8 dtypes a product's operand is converted through a table when written into a reused buffer.
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: The methods grouped casts and products stand in for (see EmulationBackend.grouped_products).
 _OWN = ("cast", "dequantize", "scaled_mm")
 
@@ -112,7 +109,7 @@ class EmulationBackend:
             return self._cast_nvfp4(request)
         if spec.granularity is not None:
             return self._cast_fine(request)
-        scratch = self._scratch if x.numel() >= SCRATCH_MIN_NUMEL and quiet(x, request.scale) else None
+        scratch = self._scratch if reusable(x, request.scale) else None
         xf = as_float32(x, scratch)
         amax = abs_max(xf)  # NaN propagates, as a max of |x| must
         scale = _chosen(request, lambda: scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale))
@@ -255,10 +252,7 @@ class EmulationBackend:
 
     def _fits_scratch(self, data: Tensor, scale_inv: Tensor) -> bool:
         """Whether ``data`` (per tensor, FP8) is dequantized into a reused buffer: large, and unseen."""
-        return (
-            data.numel() >= SCRATCH_MIN_NUMEL and data.dtype in _FP8 and scale_inv.dim() == 0
-            and quiet(data, scale_inv)
-        )
+        return data.dtype in FP8_DTYPES and scale_inv.dim() == 0 and reusable(data, scale_inv)
 
     def _kept_values(self, q: Quantized, brief: bool) -> Tensor | None:
         """The kept dequantization of ``q`` (with ``brief``, also this thread's brief copies), or None;
@@ -317,12 +311,12 @@ class EmulationBackend:
         """Dequantize both operands, multiply in float32, add ``bias``, cast.
 
         Operands are dequantized into buffers this thread reuses where no
-        one else can see them (:func:`scalestate.backends.emulation_cpu.quiet`),
+        one else can see them (:func:`scalestate.backends.emulation_cpu.reusable`),
         and the bias is then added in place: the same bits.
         """
         out = torch.mm(self._operand(a, "a"), self._operand(b, "b"))
         if bias is not None:
-            if out.numel() >= SCRATCH_MIN_NUMEL and quiet(out):  # nothing else holds the product
+            if reusable(out):  # nothing else holds the product
                 out += bias.float()
             else:
                 out = out + bias.float()

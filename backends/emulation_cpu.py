@@ -42,6 +42,7 @@ __all__ = [
     "as_float32",
     "gather",
     "quiet",
+    "reusable",
     "saturate",
 ]
 
@@ -72,6 +73,12 @@ def quiet(*tensors: Tensor) -> bool:
         and not torch.is_inference_mode_enabled()
         and all(type(t) is Tensor and t.device.type == "cpu" and not t.requires_grad for t in tensors)
     )
+
+
+def reusable(x: Tensor, *others: Tensor) -> bool:
+    """Whether work on ``x`` (with ``others``) writes into reused buffers: ``x`` has at least
+    :data:`SCRATCH_MIN_NUMEL` elements and :func:`quiet` holds."""
+    return x.numel() >= SCRATCH_MIN_NUMEL and quiet(x, *others)
 
 
 class CodeTables:

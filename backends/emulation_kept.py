@@ -41,8 +41,9 @@ class KeptCopies:
         self._kept[data] = (scale_inv, values, None)
 
     def keep_brief(self, data: Tensor, scale_inv: Tensor, values: Tensor, scratch: Scratch, name: str) -> None:
-        """Keep ``values``, written into this thread's buffer ``name`` of ``scratch``, for this thread,
-        forgetting the copy that buffer held before. Call :meth:`take_buffer` before writing ``values``."""
+        """Keep ``values``, written into this thread's buffer ``name`` of ``scratch``, for this thread, and
+        record that the buffer now holds ``data``'s copy. Call :meth:`take_buffer` (which forgets the copy the
+        buffer held before) before writing ``values`` into it."""
         self._kept[data] = (scale_inv, values, threading.get_ident())
         scratch.holders()[name] = weakref.ref(data)
 

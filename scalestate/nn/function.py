@@ -118,10 +118,7 @@ def _keep(backend: Backend, q: Quantized, brief: bool = False) -> None:
     (with ``brief``, products that run next: see ``EmulationBackend.keep_dequantized``)."""
     keep = getattr(backend, "keep_dequantized", None)
     if keep is not None:
-        if brief:
-            keep(q, brief=True)
-        else:
-            keep(q)
+        keep(q, brief=brief)
 
 
 def forward_product(
