@@ -31,7 +31,9 @@ from scalestate.backends.emulation_cpu import (
     CodeTables,
     Scratch,
     as_float32,
+    dequantize_into,
     gather,
+    readable,
     reusable,
     saturate,
 )
@@ -81,7 +83,7 @@ class EmulationBackend:
     def buffer_bytes(self) -> int:
         """The bytes of the buffers this thread's eager CPU casts and products reuse
         (:mod:`scalestate.backends.emulation_cpu`): up to three float32 buffers the size of the largest
-        operand (four with inputs in another dtype), an index buffer and a table."""
+        operand (four with inputs in another dtype) and an index buffer."""
         return self._scratch.nbytes()
 
     def release_buffers(self) -> None:
@@ -113,7 +115,8 @@ class EmulationBackend:
         xf = as_float32(x, scratch)
         amax = abs_max(xf)  # NaN propagates, as a max of |x| must
         scale = _chosen(request, lambda: scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale))
-        data = saturate(xf, scale, spec.fp8_max, spec.dtype, scratch)
+        known = amax if scratch is not None or readable(xf, scale) else None  # the clamp may be left out
+        data = saturate(xf, scale, spec.fp8_max, spec.dtype, scratch, known)
         if request.record is not None:
             torch.maximum(request.record, amax, out=request.record)
         return _per_tensor(data, scale, torch.reciprocal(scale), request.transpose)
@@ -245,7 +248,7 @@ class EmulationBackend:
                 if brief and self._fits_scratch(o.data, o.scale_inv):
                     name = f"brief{side}"
                     self._kept.take_buffer(self._scratch, name)
-                    values = gather(self._tables, o.data, o.scale_inv, (self._scratch, name))
+                    values = dequantize_into(self._tables, o.data, o.scale_inv, (self._scratch, name))
                     self._kept.keep_brief(o.data, o.scale_inv, values, self._scratch, name)
                 else:
                     self._kept.keep(o.data, o.scale_inv, self._dequantize(Quantized.of(o)))
@@ -265,9 +268,10 @@ class EmulationBackend:
         On CPU, torch's E4M3 to float32 cast is several times slower than a
         lookup in a table built with that very cast; large E4M3 operands are
         converted through it (:func:`scalestate.backends.emulation_cpu.gather`).
-        Per-tensor scales scale the table first, which gives the same bits as
-        scaling every element; per-tile scales are applied to the gathered
-        values. Data :meth:`keep_dequantized` kept (or its transpose) is not
+        Each element's value is multiplied by its scale as it would be
+        otherwise (a per-tensor scale multiplies the looked-up values, or the
+        table of single codes; per-tile scales the gathered values), which
+        gives the same bits. Data :meth:`keep_dequantized` kept (or its transpose) is not
         dequantized again.
         """
         kept = self._kept_values(q, brief=False)
@@ -297,7 +301,7 @@ class EmulationBackend:
         if kept is not None:
             return kept
         if q.tile is None and self._fits_scratch(q.data, q.scale_inv):
-            return gather(self._tables, q.data, q.scale_inv, (self._scratch, name))
+            return dequantize_into(self._tables, q.data, q.scale_inv, (self._scratch, name))
         return self._dequantize(q)
 
     def scaled_mm(

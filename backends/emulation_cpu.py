@@ -5,8 +5,7 @@ stands in for computes (a table holds torch's own conversion of every code;
 a product written into a buffer is the same product), only faster on CPU:
 
 * :func:`gather` converts FP8 codes to float32 by table lookup: torch's CPU
-  conversion of E4M3 is several times slower than a lookup, and a per-tensor
-  scale multiplies the table's entries instead of every element. Where the
+  conversion of E4M3 is several times slower than a lookup. Where the
   bytes pair up, one lookup converts two codes.
 * :class:`Scratch` holds float32 and index buffers that a backend writes its
   transient operands into (a cast's scaled copy, a product's dequantized
@@ -34,14 +33,17 @@ from torch import Tensor
 from scalestate.sac import hidden_from_sac
 
 __all__ = [
+    "CLAMP_CHECK_MIN_NUMEL",
     "PAIRED_MIN_NUMEL",
     "SCRATCH_MIN_NUMEL",
     "TABLE_MIN_NUMEL",
     "CodeTables",
     "Scratch",
     "as_float32",
+    "dequantize_into",
     "gather",
     "quiet",
+    "readable",
     "reusable",
     "saturate",
 ]
@@ -52,11 +54,25 @@ TABLE_MIN_NUMEL = 4096
 #: :func:`quiet` holds): a fresh block of 1 MiB or more costs page faults (0.99 ms against 0.29 ms for a
 #: 262,144-element conversion on a 2-core CPU); smaller ones cost more in operations than they save.
 SCRATCH_MIN_NUMEL = 1 << 18
-#: From this many codes on, the table of pairs (65,536 entries, scaled for each conversion) costs less than
-#: it saves; below it, the table of single codes.
-PAIRED_MIN_NUMEL = 1 << 17
+#: From this many codes on, an even count at an even offset is converted two codes at a time, through the
+#: table of 65,536 pairs (on a 2-core CPU: 3.6 against 5.9 us for 4,096 codes, 38 against 76 us for 65,536).
+PAIRED_MIN_NUMEL = TABLE_MIN_NUMEL
+#: From this many elements on, a cast whose amax is known checks whether its clamp can change anything
+#: (two operations on one value and a read on the host) before it runs it (one pass over the elements).
+CLAMP_CHECK_MIN_NUMEL = 1 << 14
 #: Whether memory holds the low byte of a 16-bit value first (the layout of the paired table).
 _LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def readable(*tensors: Tensor) -> bool:
+    """Whether ``tensors``' values may be read on the host, for free: eager code with no dispatch mode on
+    the stack (fake tensors hold no values), and plain tensors on CPU (reading one on an accelerator
+    waits for it)."""
+    return (
+        not torch.compiler.is_compiling()
+        and not torch._C._len_torch_dispatch_stack()
+        and all(type(t) is Tensor and t.device.type == "cpu" for t in tensors)
+    )
 
 
 def quiet(*tensors: Tensor) -> bool:
@@ -68,10 +84,9 @@ def quiet(*tensors: Tensor) -> bool:
     none, so that only the caller ever holds a tensor written into a buffer.
     """
     return (
-        not torch.compiler.is_compiling()
-        and not torch._C._len_torch_dispatch_stack()
+        readable(*tensors)
         and not torch.is_inference_mode_enabled()
-        and all(type(t) is Tensor and t.device.type == "cpu" and not t.requires_grad for t in tensors)
+        and not any(t.requires_grad for t in tensors)
     )
 
 
@@ -88,9 +103,10 @@ class CodeTables:
         self._made: dict[tuple[torch.dtype, torch.device, bool], Tensor] = {}
 
     def __call__(self, dtype: torch.dtype, device: torch.device, paired: bool) -> Tensor:
-        """The 256 codes' values, or with ``paired`` the 65,536 pairs' as a (65536, 2) tensor (pair
-        ``lo + 256 * hi`` is ``(value(lo), value(hi))``, the order memory holds two codes in). Made once per
-        dtype and device, out of sight of selective checkpointing (a recompute would not make it again)."""
+        """The 256 codes' values, or with ``paired`` the 65,536 pairs', each pair's two float32 values read
+        as one float64 (pair ``lo + 256 * hi`` holds ``value(lo)`` then ``value(hi)``, the order memory holds
+        two codes in). Made once per dtype and device, out of sight of selective checkpointing (a recompute
+        would not make it again)."""
         key = (dtype, device, paired)
         table = self._made.get(key)
         if table is None:
@@ -98,7 +114,7 @@ class CodeTables:
                 table = torch.arange(256, dtype=torch.uint8, device=device).view(dtype).float()
                 if paired:
                     pairs = torch.arange(65536, dtype=torch.int32, device=device)
-                    table = torch.stack((table[pairs & 255], table[pairs >> 8]), dim=1)
+                    table = torch.stack((table[pairs & 255], table[pairs >> 8]), dim=1).view(torch.float64).view(-1)
             self._made[key] = table
         return table
 
@@ -140,15 +156,17 @@ def gather(
 ) -> Tensor:
     """FP8 ``data`` as float32 (times a 0-d float32 ``scale_inv`` if given): ``data.float() * scale_inv``.
 
-    The table is scaled first (its products are the elements' products).
-    Two codes at a time where their bytes pair up (an even count of at
-    least :data:`PAIRED_MIN_NUMEL` from an even offset, in memory order): each 16-bit pair indexes the table of
-    pairs, read as float64 so that one lookup moves both values. A
+    Two codes at a time where their bytes pair up (an even count from an
+    even offset, in memory order, at least :data:`PAIRED_MIN_NUMEL`): each
+    16-bit pair indexes the table of pairs, read as float64 so that one
+    lookup moves both values; the values are then scaled, in place where
+    :func:`quiet` holds. Single codes index the table of 256 values, scaled
+    first. Either way each element's product is the same multiplication. A
     transposed operand is converted in memory order and returned transposed.
     With ``into`` (a scratch and a buffer name; only where :func:`quiet`
-    holds), the values are written into that buffer, the indices into the
-    scratch's ``"index"`` buffer and the scaled table into its ``"table"``
-    buffer: nothing is allocated.
+    holds), the values are written into that buffer and the indices into the
+    scratch's ``"index"`` buffer: nothing is allocated but a scaled table of
+    single codes.
     """
     codes = data.view(torch.uint8)
     flip = codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous()
@@ -160,14 +178,10 @@ def gather(
         and flat.storage_offset() % 2 == 0
     )
     table = tables(data.dtype, data.device, paired)
-    if scale_inv is not None:
-        if into is None:
-            table = table * scale_inv
-        else:
-            scaled = into[0]("table", table.numel(), torch.float32, data.device).view(table.shape)
-            table = torch.mul(table, scale_inv, out=scaled)
-    keys = flat.view(torch.uint16) if paired else flat
-    lookup = table.view(torch.float64).view(-1) if paired else table
+    if paired:
+        keys, lookup = flat.view(torch.uint16), table
+    else:
+        keys, lookup = flat, table if scale_inv is None else table * scale_inv
     if into is None:
         values = torch.index_select(lookup, 0, keys.int())
     else:
@@ -176,6 +190,23 @@ def gather(
         out = scratch(name, flat.numel(), torch.float32, data.device).view(lookup.dtype)
         values = torch.index_select(lookup, 0, index, out=out)
     values = values.view(torch.float32).view(codes.shape)
+    if paired and scale_inv is not None:
+        # In place only unseen: selective checkpointing may keep the gathered values (see scalestate.sac).
+        values = values.mul_(scale_inv) if into is not None or quiet(data, scale_inv) else values * scale_inv
+    return values.t() if flip else values
+
+
+def dequantize_into(tables: CodeTables, data: Tensor, scale_inv: Tensor, into: tuple[Scratch, str]) -> Tensor:
+    """``data.float() * scale_inv`` (FP8 ``data``, a 0-d float32 ``scale_inv``) written into this thread's
+    buffer ``into`` (only where :func:`quiet` holds): E4M3 through :func:`gather`; E5M2, whose conversion
+    torch makes faster than a lookup, converted into the buffer and scaled there."""
+    if data.dtype == torch.float8_e4m3fn:
+        return gather(tables, data, scale_inv, into)
+    scratch, name = into
+    flip = data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous()
+    source = data.t() if flip else data
+    values = scratch(name, data.numel(), torch.float32, data.device).view(source.shape)
+    values.copy_(source).mul_(scale_inv)
     return values.t() if flip else values
 
 
@@ -189,15 +220,23 @@ def as_float32(x: Tensor, scratch: Scratch | None) -> Tensor:
     return scratch("float32", x.numel(), torch.float32, x.device).view(x.shape).copy_(x)
 
 
-def saturate(xf: Tensor, scale: Tensor, fp8_max: float, dtype: torch.dtype, scratch: Scratch | None) -> Tensor:
+def saturate(
+    xf: Tensor, scale: Tensor, fp8_max: float, dtype: torch.dtype, scratch: Scratch | None, amax: Tensor | None = None
+) -> Tensor:
     """``(xf * scale).clamp_(-fp8_max, fp8_max).to(dtype)``: the saturating cast of float32 ``xf``.
 
-    With ``scratch`` (only where :func:`quiet` holds), a contiguous ``xf``'s
-    scaled copy is made in the scratch's ``"a"`` buffer: the FP8 data is
-    the one tensor allocated.
+    With ``amax`` (``xf``'s ``max|x|``, where :func:`readable`) and at least
+    :data:`CLAMP_CHECK_MIN_NUMEL` elements, the clamp
+    is left out where ``|amax * scale|`` is at most ``fp8_max``: a product
+    rounds monotonically in its magnitude, so no element's product is
+    larger, and the clamp would change nothing (a NaN or infinite amax or
+    scale keeps it). With ``scratch`` (only where :func:`quiet` holds), a
+    contiguous ``xf``'s scaled copy is made in the scratch's ``"a"`` buffer:
+    the FP8 data is the one tensor allocated.
     """
+    in_range = amax is not None and xf.numel() >= CLAMP_CHECK_MIN_NUMEL and abs(float(amax * scale)) <= fp8_max
     if scratch is None or not xf.is_contiguous():
-        return (xf * scale).clamp_(-fp8_max, fp8_max).to(dtype)
-    scaled = scratch("a", xf.numel(), torch.float32, xf.device).view(xf.shape)
-    torch.mul(xf, scale, out=scaled).clamp_(-fp8_max, fp8_max)
-    return scaled.to(dtype)
+        scaled = xf * scale
+    else:
+        scaled = torch.mul(xf, scale, out=scratch("a", xf.numel(), torch.float32, xf.device).view(xf.shape))
+    return (scaled if in_range else scaled.clamp_(-fp8_max, fp8_max)).to(dtype)

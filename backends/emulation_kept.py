@@ -14,7 +14,6 @@ import threading
 import weakref
 
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from scalestate.backends.emulation_cpu import Scratch
 from scalestate.quantized import Quantized
@@ -23,28 +22,50 @@ __all__ = ["KeptCopies"]
 
 
 class KeptCopies:
-    """FP8 data -> (its ``scale_inv``, its dequantization, the thread whose buffer holds it or None)."""
+    """FP8 data -> (its ``scale_inv``, its dequantization, the thread whose buffer holds it or None).
+
+    A dictionary by the data's ``id``, each entry with a weak reference to
+    the data whose callback removes it (a lookup costs a dictionary read, not
+    the weak-reference objects of ``torch.utils.weak``).
+    """
 
     def __init__(self) -> None:
-        self._kept: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: id(data) -> (weak reference to data, scale_inv, values, thread or None)
+        self._kept: dict[int, tuple[weakref.ref[Tensor], Tensor, Tensor, int | None]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._kept)
 
+    def _entry(self, data: Tensor) -> tuple[weakref.ref[Tensor], Tensor, Tensor, int | None] | None:
+        """The entry of ``data`` itself (not of an earlier tensor whose ``id`` it took over), or None."""
+        entry = self._kept.get(id(data))
+        return entry if entry is not None and entry[0]() is data else None
+
+    def _put(self, data: Tensor, scale_inv: Tensor, values: Tensor, thread: int | None) -> None:
+        key = id(data)
+        owner = weakref.ref(self)
+
+        def forget(ref: weakref.ref[Tensor]) -> None:  # data died: drop its entry, if still its own
+            copies = owner()
+            if copies is not None and (entry := copies._kept.get(key)) is not None and entry[0] is ref:
+                del copies._kept[key]
+
+        self._kept[key] = (weakref.ref(data, forget), scale_inv, values, thread)
+
     def holds(self, data: Tensor, scale_inv: Tensor) -> bool:
         """Whether a copy of ``data`` with this very ``scale_inv`` is kept."""
-        kept = self._kept.get(data)  # type: ignore[no-untyped-call]  # untyped in torch
-        return kept is not None and kept[0] is scale_inv
+        entry = self._entry(data)
+        return entry is not None and entry[1] is scale_inv
 
     def keep(self, data: Tensor, scale_inv: Tensor, values: Tensor) -> None:
         """Keep ``values`` as the dequantization of ``data`` while it lives."""
-        self._kept[data] = (scale_inv, values, None)
+        self._put(data, scale_inv, values, None)
 
     def keep_brief(self, data: Tensor, scale_inv: Tensor, values: Tensor, scratch: Scratch, name: str) -> None:
         """Keep ``values``, written into this thread's buffer ``name`` of ``scratch``, for this thread, and
         record that the buffer now holds ``data``'s copy. Call :meth:`take_buffer` (which forgets the copy the
         buffer held before) before writing ``values`` into it."""
-        self._kept[data] = (scale_inv, values, threading.get_ident())
+        self._put(data, scale_inv, values, threading.get_ident())
         scratch.holders()[name] = weakref.ref(data)
 
     def take_buffer(self, scratch: Scratch, name: str) -> None:
@@ -52,9 +73,9 @@ class KeptCopies:
         previous = scratch.holders().pop(name, None)
         data = None if previous is None else previous()
         if data is not None:
-            entry = self._kept.get(data)  # type: ignore[no-untyped-call]  # untyped in torch
-            if entry is not None and entry[2] == threading.get_ident():
-                del self._kept[data]
+            entry = self._entry(data)
+            if entry is not None and entry[3] == threading.get_ident():
+                del self._kept[id(data)]
 
     def get(self, q: Quantized, brief: bool) -> Tensor | None:
         """The kept dequantization of ``q`` (per tensor): of its data, or the transpose of its data's
@@ -63,12 +84,12 @@ class KeptCopies:
             return None
         data = q.data
         base = data if data._base is None else data._base
-        kept = self._kept.get(base)  # type: ignore[no-untyped-call]  # untyped in torch
-        if kept is None or kept[0] is not q.scale_inv:
+        kept = self._entry(base)
+        if kept is None or kept[1] is not q.scale_inv:
             return None
-        if kept[2] is not None and (not brief or kept[2] != threading.get_ident()):
+        if kept[3] is not None and (not brief or kept[3] != threading.get_ident()):
             return None
-        values: Tensor = kept[1]
+        values = kept[2]
         if data.storage_offset() == base.storage_offset():
             if data.shape == base.shape and data.stride() == base.stride():
                 return values

@@ -13,12 +13,15 @@ import scalestate as ss
 from scalestate.backends import CastRequest, CastSpec
 from scalestate.backends.emulation import EmulationBackend
 from scalestate.backends.emulation_cpu import (
+    CLAMP_CHECK_MIN_NUMEL,
     PAIRED_MIN_NUMEL,
     SCRATCH_MIN_NUMEL,
     CodeTables,
     Scratch,
+    dequantize_into,
     gather,
     quiet,
+    readable,
     saturate,
 )
 from scalestate.backends.emulation_kept import KeptCopies
@@ -60,6 +63,13 @@ class TestGather:
             assert got.shape == want.shape and got.stride() == want.stride()
             assert torch.equal(bits(got), bits(want)), (layout, scale_inv)
 
+    @pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+    def test_small_operands_pair_up_too(self, dtype):
+        """From PAIRED_MIN_NUMEL codes on (an even count at an even offset), two codes per lookup: the bits."""
+        data = every_code(dtype, rows=PAIRED_MIN_NUMEL // 256)
+        scale_inv = torch.tensor(0.37)
+        assert torch.equal(bits(gather(CodeTables(), data, scale_inv)), bits(data.float() * scale_inv))
+
     def test_into_scratch_writes_the_named_buffer(self):
         scratch, data = Scratch(), every_code(torch.float8_e4m3fn)
         got = gather(CodeTables(), data, torch.tensor(2.0), (scratch, "out"))
@@ -82,6 +92,67 @@ class TestSaturate:
             got_t = saturate(x.t(), torch.tensor(0.5), fp8_max, dtype, scratch)  # not contiguous: the plain cast
             assert torch.equal(got_t.view(torch.uint8), (x.t() * 0.5).clamp_(-fp8_max, fp8_max).to(dtype)
                                .view(torch.uint8))
+
+
+    @pytest.mark.parametrize(("dtype", "fp8_max"), [(torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)],
+                             ids=FP8_IDS)
+    def test_a_known_amax_leaves_out_only_a_clamp_that_changes_nothing(self, dtype, fp8_max):
+        """With the amax, the clamp is skipped exactly where ``|amax * scale| <= fp8_max``, and the bits are
+        the plain cast's either way: at the boundary, one float32 step above it, for NaN and infinite
+        elements, and for a negative scale."""
+        torch.manual_seed(0)
+        x = torch.randn(CLAMP_CHECK_MIN_NUMEL // 64, 64)
+        amax = x.abs().amax()
+        at_max = torch.tensor(fp8_max) / amax
+        above = torch.nextafter(at_max, torch.tensor(float("inf")))
+        cases = [(x, at_max), (x, above), (x, torch.tensor(0.5)), (x, -above), (x, -torch.tensor(0.5))]
+        for special in (float("nan"), float("inf")):
+            y = x.clone()
+            y[3, 7] = special
+            cases.append((y, torch.tensor(0.5)))
+        for xs, scale in cases:
+            known = xs.abs().amax()
+            want = (xs * scale).clamp_(-fp8_max, fp8_max).to(dtype)
+            with OpLog() as log:
+                got = saturate(xs, scale, fp8_max, dtype, None, known)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), float(scale)
+            fits = bool(((known * scale).abs() <= fp8_max).item())
+            assert ("aten.clamp_.default" in log.ops) == (not fits), (float(scale), log.ops)
+        assert not bool(((amax * above).abs() <= fp8_max).item()), "the step above the boundary must clamp"
+        small = x[:-1]  # below CLAMP_CHECK_MIN_NUMEL the clamp runs without a check
+        with OpLog() as log:
+            saturate(small, torch.tensor(0.5), fp8_max, dtype, None, small.abs().amax())
+        assert "aten.clamp_.default" in log.ops
+
+
+def test_an_eager_cpu_cast_clamps_only_beyond_the_range():
+    """EmulationBackend.cast hands saturate its amax on the CPU: a scale that keeps every product in range
+    runs no clamp (counted by torch.profiler, which is not a dispatch mode), one beyond it does; same bits."""
+    torch.manual_seed(0)
+    x = torch.randn(CLAMP_CHECK_MIN_NUMEL // 128, 128)
+    backend = EmulationBackend()
+    spec = CastSpec(torch.float8_e4m3fn, 448.0)
+    for scale, clamps in ((torch.tensor(10.0), False), (torch.tensor(1000.0), True)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            q = backend.cast(CastRequest(x, spec, scale, False, None, False))
+        ran = {e.name for e in prof.events()}
+        assert ("aten::clamp_" in ran) == clamps, (float(scale), sorted(ran))
+        assert torch.equal(q.data.view(torch.uint8), (x * scale).clamp(-448.0, 448.0).to(spec.dtype).view(torch.uint8))
+
+
+class TestDequantizeInto:
+    @pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+    @pytest.mark.parametrize("layout", ["rows", "transposed"])
+    def test_the_bits_of_the_plain_dequantization_in_the_buffer(self, dtype, layout):
+        """E4M3 through the table, E5M2 through torch's own conversion: ``data.float() * scale_inv`` in
+        the named buffer, laid out as ``data``."""
+        data = every_code(dtype)
+        data = data if layout == "rows" else data.t().contiguous().t()
+        scratch, scale_inv = Scratch(), torch.tensor(3.0e-5)
+        got = dequantize_into(CodeTables(), data, scale_inv, (scratch, "out"))
+        want = data.float() * scale_inv
+        assert torch.equal(bits(got), bits(want)) and got.stride() == want.stride()
+        assert got.data_ptr() == scratch("out", data.numel(), torch.float32, data.device).data_ptr()
 
 
 class TestScratch:
@@ -112,6 +183,12 @@ class TestQuiet:
             assert not quiet(torch.ones(4))
         assert not quiet(torch.ones(4, device="meta"))
         assert not quiet(torch.nn.Parameter(torch.ones(4), requires_grad=False))
+
+    def test_readable_where_values_exist_on_the_host(self):
+        assert readable(torch.ones(4), torch.ones((), requires_grad=True))  # a gradient does not matter
+        with OpLog():
+            assert not readable(torch.ones(4)), "under a dispatch mode the tensors may be fake"
+        assert not readable(torch.ones(4, device="meta"))
 
 
 def _train(recipe: ss.Recipe) -> list[torch.Tensor]:
