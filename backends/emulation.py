@@ -83,7 +83,7 @@ class EmulationBackend:
     def buffer_bytes(self) -> int:
         """The bytes of the buffers this thread's eager CPU casts and products reuse
         (:mod:`scalestate.backends.emulation_cpu`): up to three float32 buffers the size of the largest
-        operand (four with inputs in another dtype) and an index buffer."""
+        operand (four with inputs in another dtype), an index buffer and a scaled table."""
         return self._scratch.nbytes()
 
     def release_buffers(self) -> None:

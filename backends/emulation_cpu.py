@@ -159,14 +159,16 @@ def gather(
     Two codes at a time where their bytes pair up (an even count from an
     even offset, in memory order, at least :data:`PAIRED_MIN_NUMEL`): each
     16-bit pair indexes the table of pairs, read as float64 so that one
-    lookup moves both values; the values are then scaled, in place where
-    :func:`quiet` holds. Single codes index the table of 256 values, scaled
-    first. Either way each element's product is the same multiplication. A
-    transposed operand is converted in memory order and returned transposed.
-    With ``into`` (a scratch and a buffer name; only where :func:`quiet`
-    holds), the values are written into that buffer and the indices into the
-    scratch's ``"index"`` buffer: nothing is allocated but a scaled table of
-    single codes.
+    lookup moves both values. Single codes index the table of 256 values.
+    The scale multiplies the table first, or, where ``data`` holds fewer
+    values than the table of pairs (131,072), the looked-up values after (in
+    place where :func:`quiet` holds): either way each element's product is
+    the same multiplication. A transposed operand is converted in memory
+    order and returned transposed. With ``into`` (a scratch and a buffer
+    name; only where :func:`quiet` holds), the values are written into that
+    buffer, the indices into the scratch's ``"index"`` buffer and a scaled
+    table of pairs into its ``"table"`` buffer: nothing is allocated but a
+    scaled table of single codes.
     """
     codes = data.view(torch.uint8)
     flip = codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous()
@@ -178,10 +180,10 @@ def gather(
         and flat.storage_offset() % 2 == 0
     )
     table = tables(data.dtype, data.device, paired)
-    if paired:
-        keys, lookup = flat.view(torch.uint16), table
-    else:
-        keys, lookup = flat, table if scale_inv is None else table * scale_inv
+    # Scale whichever holds fewer values: the table (first), or the looked-up values (after).
+    after = paired and scale_inv is not None and flat.numel() < 2 * table.numel()
+    lookup = table if scale_inv is None or after else _scaled(table, scale_inv, paired, into)
+    keys = flat.view(torch.uint16) if paired else flat
     if into is None:
         values = torch.index_select(lookup, 0, keys.int())
     else:
@@ -190,10 +192,21 @@ def gather(
         out = scratch(name, flat.numel(), torch.float32, data.device).view(lookup.dtype)
         values = torch.index_select(lookup, 0, index, out=out)
     values = values.view(torch.float32).view(codes.shape)
-    if paired and scale_inv is not None:
+    if after:
         # In place only unseen: selective checkpointing may keep the gathered values (see scalestate.sac).
         values = values.mul_(scale_inv) if into is not None or quiet(data, scale_inv) else values * scale_inv
     return values.t() if flip else values
+
+
+def _scaled(table: Tensor, scale_inv: Tensor, paired: bool, into: tuple[Scratch, str] | None) -> Tensor:
+    """``table``'s float32 values times ``scale_inv``, in the table's dtype (with ``into``, in the
+    scratch's ``"table"`` buffer)."""
+    values = table.view(torch.float32) if paired else table
+    if into is None:
+        scaled = values * scale_inv
+    else:
+        scaled = torch.mul(values, scale_inv, out=into[0]("table", values.numel(), torch.float32, table.device))
+    return scaled.view(table.dtype)
 
 
 def dequantize_into(tables: CodeTables, data: Tensor, scale_inv: Tensor, into: tuple[Scratch, str]) -> Tensor:
