@@ -297,7 +297,7 @@ class EmulationBackend:
         thread's buffer ``name``, or :meth:`dequantize`'s."""
         if type(self).dequantize is not EmulationBackend.dequantize:
             return self.dequantize(q)  # a subclass's own
-        kept = self._kept_values(q, brief=True)
+        kept = None if torch.compiler.is_compiling() else self._kept.get(q, True)
         if kept is not None:
             return kept
         if q.tile is None and self._fits_scratch(q.data, q.scale_inv):

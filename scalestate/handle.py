@@ -153,7 +153,9 @@ class ScalingHandle:
         slot = self._slot(role)
         if not isinstance(ahead_of_use, bool):
             raise ArgumentTypeError(f"slot {self._name!r}: ahead_of_use must be True or False; got {ahead_of_use!r}")
-        shard = ShardCast.of(f"slot {self._name!r} {role.name}", amax, shard_group)
+        shard = None
+        if amax is not None or shard_group is not None:
+            shard = ShardCast.of(f"slot {self._name!r} {role.name}", amax, shard_group)
         return self._manager._cast(slot, x, transpose, shard, ahead_of_use)
 
     def scale(self, role: Role) -> Tensor:

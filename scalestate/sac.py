@@ -63,6 +63,10 @@ def sac_active() -> bool:
     return _first_sac_mode(_get_current_dispatch_mode_stack()) is not None
 
 
+#: The block of :func:`hidden_from_sac` where no SAC mode is on the stack (reusable: it holds no state).
+_NOTHING_HIDDEN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
 class _Hidden:
     """Takes SAC's modes off the stack for the block, keeping every other mode in its place."""
 
@@ -112,10 +116,10 @@ def hidden_from_sac() -> contextlib.AbstractContextManager[None]:
         >>> inside, outside
         (False, True)
     """
-    if torch.compiler.is_compiling() or not _SAC_MODES or not torch._C._len_torch_dispatch_stack():
-        return contextlib.nullcontext()
+    if not torch._C._len_torch_dispatch_stack() or not _SAC_MODES or torch.compiler.is_compiling():
+        return _NOTHING_HIDDEN
     stack = _get_current_dispatch_mode_stack()
     first = _first_sac_mode(stack)
     if first is None:
-        return contextlib.nullcontext()
+        return _NOTHING_HIDDEN
     return _Hidden(stack[first:])

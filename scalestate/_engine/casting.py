@@ -90,6 +90,10 @@ class ShardCast:
         return cls(amax, groups)
 
 
+def _where(slot: Slot) -> str:
+    return f"slot {slot.name!r} {slot.role.name}"  # what a cast error names
+
+
 class Caster:
     """Casts for one manager's state through its backend binding."""
 
@@ -108,15 +112,14 @@ class Caster:
         self, slot: Slot, x: Tensor, transpose: bool, shard: ShardCast | None = None, ahead: bool = False
     ) -> Quantized:
         """A handle's cast: classify it, then cast through the backend (see ScalingHandle.quantize)."""
-        where = f"slot {slot.name!r} {slot.role.name}"
         if not isinstance(x, Tensor) or not x.is_floating_point():
             got = x.dtype if isinstance(x, Tensor) else type(x).__name__
-            raise CastError(f"{where}: expected a floating-point tensor; got {got}")
+            raise CastError(f"{_where(slot)}: expected a floating-point tensor; got {got}")
         if transpose and x.dim() != 2:
-            raise CastError(f"{where}: transpose=True needs a 2-d tensor; got shape {tuple(x.shape)}")
+            raise CastError(f"{_where(slot)}: transpose=True needs a 2-d tensor; got shape {tuple(x.shape)}")
         if shard is not None and slot.spec.granularity is not None:
             raise CastError(
-                f"{where}: amax= (a shard cast with the whole tensor's amax) needs per-tensor scales; this "
+                f"{_where(slot)}: amax= (a shard cast with the whole tensor's amax) needs per-tensor scales; this "
                 "recipe scales rows, tiles or blocks, which a shard would split. Cast the whole tensor, "
                 "or use ss.DelayedScaling or ss.CurrentScaling"
             )
@@ -262,14 +265,8 @@ class Caster:
 
     def _run(
         self,
-        slot: Slot,
-        x: Tensor,
-        transpose: bool,
-        scale: Tensor,
-        record: Tensor | None,
-        shard: ShardCast | None,
-        *,
-        compiling: bool,
+        slot: Slot, x: Tensor, transpose: bool, scale: Tensor, record: Tensor | None, shard: ShardCast | None,
+        *, compiling: bool,
     ) -> Quantized:
         """The backend's cast of ``x`` with the slot's ``scale`` (or one just in time), recording into ``record``.
 
@@ -305,7 +302,7 @@ class Caster:
             if jit is False:
                 return None
             value = value()
-        where = f"slot {slot.name!r} {slot.role.name}"
+        where = _where(slot)
         if not isinstance(value, Tensor) or value.numel() != 1 or not value.is_floating_point():
             got = f"shape {tuple(value.shape)}, {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
             raise CastError(
