@@ -192,7 +192,7 @@ def gather(
         out = scratch(name, flat.numel(), torch.float32, data.device).view(lookup.dtype)
         values = torch.index_select(lookup, 0, index, out=out)
     values = values.view(torch.float32).view(codes.shape)
-    if after:
+    if after and scale_inv is not None:
         # In place only unseen: selective checkpointing may keep the gathered values (see scalestate.sac).
         values = values.mul_(scale_inv) if into is not None or quiet(data, scale_inv) else values * scale_inv
     return values.t() if flip else values
