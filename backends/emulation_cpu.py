@@ -5,8 +5,9 @@ stands in for computes (a table holds torch's own conversion of every code;
 a product written into a buffer is the same product), only faster on CPU:
 
 * :func:`gather` converts FP8 codes to float32 by table lookup: torch's CPU
-  conversion of E4M3 is several times slower than a lookup. Where the
-  bytes pair up, one lookup converts two codes.
+  conversion of E4M3 is several times slower than a lookup, and a per-tensor
+  scale multiplies the table's entries instead of every element. Where
+  large operands' bytes pair up, one lookup converts two codes.
 * :class:`Scratch` holds float32 and index buffers that a backend writes its
   transient operands into (a cast's scaled copy, a product's dequantized
   operand), one set per thread. A training step then asks the allocator for
@@ -55,8 +56,11 @@ TABLE_MIN_NUMEL = 4096
 #: 262,144-element conversion on a 2-core CPU); smaller ones cost more in operations than they save.
 SCRATCH_MIN_NUMEL = 1 << 18
 #: From this many codes on, an even count at an even offset is converted two codes at a time, through the
-#: table of 65,536 pairs (on a 2-core CPU: 3.6 against 5.9 us for 4,096 codes, 38 against 76 us for 65,536).
-PAIRED_MIN_NUMEL = TABLE_MIN_NUMEL
+#: table of 65,536 pairs (512 KiB, scaled for each conversion). Measured inside the demo's training, on a
+#: 2-core CPU, where the table competes for the cache with the step's tensors: 65,536 codes took 90 us
+#: through the table of single codes against 100 us in pairs, 131,072 took 120 against 147, 262,144 took
+#: 280 against 255, and 524,288 took 456 against 352-377.
+PAIRED_MIN_NUMEL = 1 << 18
 #: From this many elements on, a cast whose amax is known checks whether its clamp can change anything
 #: (two operations on one value and a read on the host) before it runs it (one pass over the elements).
 CLAMP_CHECK_MIN_NUMEL = 1 << 14
@@ -156,19 +160,16 @@ def gather(
 ) -> Tensor:
     """FP8 ``data`` as float32 (times a 0-d float32 ``scale_inv`` if given): ``data.float() * scale_inv``.
 
-    Two codes at a time where their bytes pair up (an even count from an
-    even offset, in memory order, at least :data:`PAIRED_MIN_NUMEL`): each
-    16-bit pair indexes the table of pairs, read as float64 so that one
-    lookup moves both values. Single codes index the table of 256 values.
-    The scale multiplies the table first, or, where ``data`` holds fewer
-    values than the table of pairs (131,072), the looked-up values after (in
-    place where :func:`quiet` holds): either way each element's product is
-    the same multiplication. A transposed operand is converted in memory
+    The table is scaled first (its products are the elements' products).
+    Two codes at a time where their bytes pair up (an even count of at
+    least :data:`PAIRED_MIN_NUMEL` from an even offset, in memory order):
+    each 16-bit pair indexes the table of pairs, read as float64 so that one
+    lookup moves both values. A transposed operand is converted in memory
     order and returned transposed. With ``into`` (a scratch and a buffer
     name; only where :func:`quiet` holds), the values are written into that
     buffer, the indices into the scratch's ``"index"`` buffer and a scaled
     table of pairs into its ``"table"`` buffer: nothing is allocated but a
-    scaled table of single codes.
+    scaled table of single codes (256 values).
     """
     codes = data.view(torch.uint8)
     flip = codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous()
@@ -180,9 +181,7 @@ def gather(
         and flat.storage_offset() % 2 == 0
     )
     table = tables(data.dtype, data.device, paired)
-    # Scale whichever holds fewer values: the table (first), or the looked-up values (after).
-    after = paired and scale_inv is not None and flat.numel() < 2 * table.numel()
-    lookup = table if scale_inv is None or after else _scaled(table, scale_inv, paired, into)
+    lookup = table if scale_inv is None else _scaled(table, scale_inv, paired, into)
     keys = flat.view(torch.uint16) if paired else flat
     if into is None:
         values = torch.index_select(lookup, 0, keys.int())
@@ -192,16 +191,15 @@ def gather(
         out = scratch(name, flat.numel(), torch.float32, data.device).view(lookup.dtype)
         values = torch.index_select(lookup, 0, index, out=out)
     values = values.view(torch.float32).view(codes.shape)
-    if after and scale_inv is not None:
-        # In place only unseen: selective checkpointing may keep the gathered values (see scalestate.sac).
-        values = values.mul_(scale_inv) if into is not None or quiet(data, scale_inv) else values * scale_inv
     return values.t() if flip else values
 
 
 def _scaled(table: Tensor, scale_inv: Tensor, paired: bool, into: tuple[Scratch, str] | None) -> Tensor:
-    """``table``'s float32 values times ``scale_inv``, in the table's dtype (with ``into``, in the
-    scratch's ``"table"`` buffer)."""
-    values = table.view(torch.float32) if paired else table
+    """``table``'s float32 values times ``scale_inv``, in the table's dtype (with ``into``, a table of
+    pairs is scaled into the scratch's ``"table"`` buffer)."""
+    if not paired:
+        return table * scale_inv
+    values = table.view(torch.float32)
     if into is None:
         scaled = values * scale_inv
     else:

@@ -37,7 +37,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-def every_code(dtype: torch.dtype, rows: int = 520) -> torch.Tensor:
+def every_code(dtype: torch.dtype, rows: int = 1040) -> torch.Tensor:
     """Every one of the 256 codes (NaNs included), ``rows`` times over, as a (rows, 256) tensor."""
     return torch.arange(256, dtype=torch.uint8).repeat(rows, 1).view(dtype)
 
@@ -64,9 +64,9 @@ class TestGather:
             assert torch.equal(bits(got), bits(want)), (layout, scale_inv)
 
     @pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
-    def test_small_operands_pair_up_too(self, dtype):
-        """From PAIRED_MIN_NUMEL codes on (an even count at an even offset), two codes per lookup: the bits."""
-        data = every_code(dtype, rows=PAIRED_MIN_NUMEL // 256)
+    def test_below_the_pairing_threshold_single_codes(self, dtype):
+        """Below PAIRED_MIN_NUMEL codes, one code per lookup in the table of 256 scaled values: the bits."""
+        data = every_code(dtype, rows=PAIRED_MIN_NUMEL // 256 - 2)
         scale_inv = torch.tensor(0.37)
         assert torch.equal(bits(gather(CodeTables(), data, scale_inv)), bits(data.float() * scale_inv))
 
