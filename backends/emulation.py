@@ -33,6 +33,7 @@ from scalestate.backends.emulation_cpu import (
     as_float32,
     dequantize_into,
     gather,
+    quiet,
     readable,
     reusable,
     saturate,
@@ -316,11 +317,13 @@ class EmulationBackend:
 
         Operands are dequantized into buffers this thread reuses where no
         one else can see them (:func:`scalestate.backends.emulation_cpu.reusable`),
-        and the bias is then added in place: the same bits.
+        and the bias is added to the product in place wherever no mode can
+        keep the product (:func:`scalestate.backends.emulation_cpu.quiet`):
+        the same bits.
         """
         out = torch.mm(self._operand(a, "a"), self._operand(b, "b"))
         if bias is not None:
-            if reusable(out):  # nothing else holds the product
+            if quiet(out):  # nothing else holds the product (no mode keeps it): the same sum, in place
                 out += bias.float()
             else:
                 out = out + bias.float()
