@@ -269,10 +269,9 @@ class EmulationBackend:
         On CPU, torch's E4M3 to float32 cast is several times slower than a
         lookup in a table built with that very cast; large E4M3 operands are
         converted through it (:func:`scalestate.backends.emulation_cpu.gather`).
-        Each element's value is multiplied by its scale as it would be
-        otherwise (a per-tensor scale multiplies the looked-up values, or the
-        table of single codes; per-tile scales the gathered values), which
-        gives the same bits. Data :meth:`keep_dequantized` kept (or its transpose) is not
+        Per-tensor scales scale the table first, which gives the same bits as
+        scaling every element; per-tile scales are applied to the gathered
+        values. Data :meth:`keep_dequantized` kept (or its transpose) is not
         dequantized again.
         """
         kept = self._kept_values(q, brief=False)
@@ -298,7 +297,7 @@ class EmulationBackend:
         thread's buffer ``name``, or :meth:`dequantize`'s."""
         if type(self).dequantize is not EmulationBackend.dequantize:
             return self.dequantize(q)  # a subclass's own
-        kept = None if torch.compiler.is_compiling() else self._kept.get(q, True)
+        kept = self._kept_values(q, brief=True)
         if kept is not None:
             return kept
         if q.tile is None and self._fits_scratch(q.data, q.scale_inv):

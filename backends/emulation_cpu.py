@@ -172,7 +172,7 @@ def gather(
     scaled table of single codes (256 values).
     """
     codes = data.view(torch.uint8)
-    flip = codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous()
+    flip = _transposed(codes)
     if flip:
         codes = codes.t()
     flat = codes.reshape(-1)
@@ -214,11 +214,17 @@ def dequantize_into(tables: CodeTables, data: Tensor, scale_inv: Tensor, into: t
     if data.dtype == torch.float8_e4m3fn:
         return gather(tables, data, scale_inv, into)
     scratch, name = into
-    flip = data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous()
+    flip = _transposed(data)
     source = data.t() if flip else data
     values = scratch(name, data.numel(), torch.float32, data.device).view(source.shape)
     values.copy_(source).mul_(scale_inv)
     return values.t() if flip else values
+
+
+def _transposed(t: Tensor) -> bool:
+    """Whether ``t`` is the transpose of a row-major 2-d tensor: converted in its memory order, then
+    transposed back."""
+    return t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
 
 
 def as_float32(x: Tensor, scratch: Scratch | None) -> Tensor:

@@ -84,8 +84,8 @@ class KeptCopies:
             return None
         data = q.data
         base = data if data._base is None else data._base
-        kept = self._kept.get(id(base))
-        if kept is None or kept[0]() is not base or kept[1] is not q.scale_inv:
+        kept = self._entry(base)
+        if kept is None or kept[1] is not q.scale_inv:
             return None
         if kept[3] is not None and (not brief or kept[3] != threading.get_ident()):
             return None
