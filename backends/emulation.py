@@ -16,30 +16,30 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from scalestate.backends import emulation_grouped  # registers scalestate::grouped_mm
 from scalestate.backends.base import (
-    HOST_READ_OP,
     CastRequest,
     GroupedCastRequest,
     GroupedOperand,
     GroupedRows,
     StepUpdate,
-    group_spans,
-    rows_then_zeros,
 )
 from scalestate.backends.emulation_cpu import (
+    CLAMP_CHECK_MIN_NUMEL,
     TABLE_MIN_NUMEL,
     CodeTables,
     Scratch,
     as_float32,
     dequantize_into,
     gather,
+    host_abs_max,
     quiet,
     readable,
     reusable,
     saturate,
 )
 from scalestate.backends.emulation_kept import KeptCopies
-from scalestate.errors import CastError
+from scalestate.errors import ArgumentTypeError, ArgumentValueError, CastError
 from scalestate.finegrained import quantize as fine_quantize
 from scalestate.granularity import GranularityKind
 from scalestate.math import abs_max, ints_on, scale_from_amax, update_scales
@@ -49,10 +49,12 @@ from scalestate.recipe import Recipe
 from scalestate.sac import hidden_from_sac
 from scalestate.tiles import apply_tile_scales
 
-__all__ = ["EmulationBackend"]
+__all__ = ["SAVED_COPY_BYTES", "EmulationBackend"]
 
 #: The methods grouped casts and products stand in for (see EmulationBackend.grouped_products).
 _OWN = ("cast", "dequantize", "scaled_mm")
+#: The default of ``EmulationBackend(saved_copy_bytes=...)``: 64 MiB of float32 copies of saved inputs.
+SAVED_COPY_BYTES = 64 << 20
 
 
 class EmulationBackend:
@@ -63,13 +65,21 @@ class EmulationBackend:
     #: product that makes them, as ``torch.nn.functional.scaled_mm`` on CPU), not the operands as laid out.
     _row_major_groups = False
 
-    def __init__(self) -> None:
+    def __init__(self, *, saved_copy_bytes: int = SAVED_COPY_BYTES) -> None:
+        """``saved_copy_bytes``: the most bytes the float32 copies :meth:`keep_saved` keeps (of inputs saved
+        for a backward) may take at once; 0 keeps none, and each backward dequantizes its input again."""
+        if type(saved_copy_bytes) is not int:
+            raise ArgumentTypeError(f"saved_copy_bytes must be an int (bytes); got {type(saved_copy_bytes).__name__}")
+        if saved_copy_bytes < 0:
+            raise ArgumentValueError(f"saved_copy_bytes must be >= 0 (0 keeps no copies); got {saved_copy_bytes}")
+        self.saved_copy_bytes = saved_copy_bytes
         self._tables = CodeTables()
         self._kept = KeptCopies()  # see keep_dequantized
         self._scratch = Scratch()
 
     def __repr__(self) -> str:
-        return "EmulationBackend()"
+        own = "" if self.saved_copy_bytes == SAVED_COPY_BYTES else f"saved_copy_bytes={self.saved_copy_bytes}"
+        return f"EmulationBackend({own})"
 
     def __getstate__(self) -> dict[str, object]:
         """Its state for pickle and copy, without the kept dequantizations (of this process's tensors)
@@ -114,11 +124,19 @@ class EmulationBackend:
             return self._cast_fine(request)
         scratch = self._scratch if reusable(x, request.scale) else None
         xf = as_float32(x, scratch)
-        amax = abs_max(xf)  # NaN propagates, as a max of |x| must
-        scale = _chosen(request, lambda: scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale))
-        known = amax if scratch is not None or readable(xf, scale) else None  # the clamp may be left out
-        data = saturate(xf, scale, spec.fp8_max, spec.dtype, scratch, known)
-        if request.record is not None:
+        host = (scratch is not None or readable(xf, request.scale)) and xf.numel() >= CLAMP_CHECK_MIN_NUMEL
+        if host and request.jit is False:  # the slot's scale: the amax is only recorded and compared
+            amax: Tensor | float = host_abs_max(xf)
+            scale = request.scale.clone()
+        else:
+            amax = abs_max(xf)  # NaN propagates, as a max of |x| must
+            scale = _chosen(request, lambda: scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale))
+        data = saturate(xf, scale, spec.fp8_max, spec.dtype, scratch, amax if host else None)
+        if request.record is None:
+            pass
+        elif isinstance(amax, float):  # a finite or infinite amax: the same max, one operation on 0-d
+            request.record.clamp_(min=amax)
+        else:
             torch.maximum(request.record, amax, out=request.record)
         return _per_tensor(data, scale, torch.reciprocal(scale), request.transpose)
 
@@ -182,7 +200,7 @@ class EmulationBackend:
                 f"grouped_scaled_mm: a bias is one row per group of a 3-d b, ({b.data.shape[0]}, "
                 f"{b.data.shape[-1]}); got shape {tuple(bias.shape)} with b of shape {tuple(b.data.shape)}"
             )
-        dequantized = _dequantized(a), _dequantized(b)
+        dequantized = emulation_grouped.dequantized(a), emulation_grouped.dequantized(b)
         out: Tensor = torch.ops.scalestate.grouped_mm(*dequantized, offsets, self._row_major_groups, bias)
         return out if out_dtype == torch.float32 else out.to(out_dtype)
 
@@ -238,13 +256,7 @@ class EmulationBackend:
         afresh if asked for). Only :meth:`scaled_mm` on this thread uses it;
         :meth:`dequantize` computes afresh.
         """
-        if type(self).scaled_mm is not EmulationBackend.scaled_mm or torch.compiler.is_compiling():
-            return
-        for side, o in enumerate((q.primary, q.other)):
-            if o is None or o.tile is not None or o.packing is not None or o.data._base is not None:
-                continue
-            if self._kept.holds(o.data, o.scale_inv):
-                continue
+        for side, o in self._unkept(q):
             with hidden_from_sac():
                 if brief and self._fits_scratch(o.data, o.scale_inv):
                     name = f"brief{side}"
@@ -253,6 +265,47 @@ class EmulationBackend:
                     self._kept.keep_brief(o.data, o.scale_inv, values, self._scratch, name)
                 else:
                     self._kept.keep(o.data, o.scale_inv, self._dequantize(Quantized.of(o)))
+
+    def keep_saved(self, q: Quantized) -> None:
+        """Keep the dequantization of ``q``, an input a layer saves for its backward, until that backward.
+
+        :class:`scalestate.nn.Linear` calls this in a training forward whose
+        weight gradient is needed: its forward product and its weight
+        gradient's product then take one float32 copy (as
+        :meth:`keep_dequantized` keeps it, until the FP8 data goes), instead
+        of dequantizing the input in each. The copies so kept take at most
+        ``saved_copy_bytes`` together (4 bytes per element, beyond the saved
+        FP8 data's 1): keeping a new one drops the oldest first (a backward
+        runs the layers in reverse, so the newest are used first), and an
+        input larger than that is not kept. Same bits as dequantizing again.
+        """
+        for _, o in self._unkept(q):
+            if o.data.numel() * 4 > self.saved_copy_bytes:
+                continue
+            with hidden_from_sac():
+                if self._fits_scratch(o.data, o.scale_inv):  # a fresh copy, the indices in a reused buffer
+                    fresh = torch.empty(o.data.numel(), dtype=torch.float32, device=o.data.device)
+                    values = dequantize_into(self._tables, o.data, o.scale_inv, (self._scratch, "saved"), fresh)
+                else:
+                    values = self._dequantize(Quantized.of(o))
+                self._kept.keep_saved(o.data, o.scale_inv, values, self.saved_copy_bytes)
+
+    def kept_bytes(self) -> int:
+        """The bytes of the float32 copies kept now (:meth:`keep_dequantized`, :meth:`keep_saved`), outside the
+        reused buffers (:meth:`buffer_bytes`)."""
+        return self._kept.nbytes()
+
+    def _unkept(self, q: Quantized) -> list[tuple[int, Orientation]]:
+        """``q``'s orientations (by side) a copy may be kept of and is not: per tensor, whole FP8 data; none
+        while compiling (the compiler fuses dequantization into its kernels) or in a subclass that multiplies
+        otherwise."""
+        if type(self).scaled_mm is not EmulationBackend.scaled_mm or torch.compiler.is_compiling():
+            return []
+        return [
+            (side, o) for side, o in enumerate((q.primary, q.other))
+            if o is not None and o.tile is None and o.packing is None and o.data._base is None
+            and not self._kept.holds(o.data, o.scale_inv)
+        ]
 
     def _fits_scratch(self, data: Tensor, scale_inv: Tensor) -> bool:
         """Whether ``data`` (per tensor, FP8) is dequantized into a reused buffer: large, and unseen."""
@@ -345,15 +398,6 @@ def _per_tensor(data: Tensor, scale: Tensor, scale_inv: Tensor, transpose: bool)
     return Quantized.of(rows, other)
 
 
-def _dequantized(operand: GroupedOperand) -> Tensor:
-    """``data * scale_inv`` in float32, in the data's memory order (a transposed operand stays a transposed
-    view, as :meth:`EmulationBackend.dequantize` keeps it, so that each group's product sees its layout)."""
-    data, scale_inv = operand
-    if data.dim() >= 2 and not data.is_contiguous() and data.mT.is_contiguous():
-        return (data.mT.to(torch.float32) * scale_inv.mT).mT
-    return data.to(torch.float32) * scale_inv
-
-
 def _chosen(request: CastRequest | GroupedCastRequest, own: Callable[[], Tensor]) -> Tensor:
     """The per-tensor scale of a cast (of each group's, for a grouped one): a copy of the slot's (``jit``
     False; the Quantized owns its scale, the slot's may change), the tensor's ``own()`` (True), or either
@@ -362,31 +406,3 @@ def _chosen(request: CastRequest | GroupedCastRequest, own: Callable[[], Tensor]
         return request.scale.clone()
     scale = own()
     return scale if request.jit is True else torch.where(request.jit, scale, request.scale)
-
-
-@torch.library.custom_op("scalestate::grouped_mm", mutates_args=(), **HOST_READ_OP)
-def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False, bias: Tensor | None = None) -> Tensor:
-    """Each group's ``torch.mm``, grouped as ``torch.nn.functional.grouped_mm`` groups (see
-    :meth:`SupportsDeviceGroups.grouped_scaled_mm <scalestate.backends.SupportsDeviceGroups.grouped_scaled_mm>`),
-    on any dtype and device, with the bits of ``torch.mm`` on each group's slices (with ``row_major``, on
-    row-major copies of them, as ``torch.nn.functional.scaled_mm`` multiplies on CPU). An operator of its
-    own, so that compiled code keeps the sizes on the device (torch's own refuses float32 while tracing);
-    its ``ends`` are read on the host when it runs. ``bias`` (3-d ``b`` only): ``bias[g]`` is added
-    to group ``g``'s product in float32, as :meth:`EmulationBackend.scaled_mm` adds a bias."""
-    def mm(x: Tensor, y: Tensor) -> Tensor:
-        return torch.mm(x.contiguous(), y.contiguous()) if row_major else torch.mm(x, y)
-
-    if b.dim() == 3:  # rows of a by group, each times b[g]
-        groups = group_spans(offsets, skip_empty=True)
-        parts = [mm(a[s:e], b[g]) for g, s, e in groups]
-        if bias is not None:
-            parts = [part + bias[g].float() for part, (g, _, _) in zip(parts, groups, strict=True)]
-        return rows_then_zeros(parts, a.shape[0], b.shape[-1], a, a.dtype)
-    return torch.stack([mm(a[:, s:e], b[s:e]) for _, s, e in group_spans(offsets)])
-
-
-@grouped_mm.register_fake
-def _(a: Tensor, b: Tensor, offsets: Tensor, row_major: bool = False, bias: Tensor | None = None) -> Tensor:
-    if b.dim() == 3:
-        return a.new_empty((a.shape[0], b.shape[-1]))
-    return a.new_empty((offsets.shape[0], a.shape[0], b.shape[1]))

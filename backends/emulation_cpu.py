@@ -43,6 +43,7 @@ __all__ = [
     "as_float32",
     "dequantize_into",
     "gather",
+    "host_abs_max",
     "quiet",
     "readable",
     "reusable",
@@ -156,7 +157,11 @@ class Scratch:
 
 
 def gather(
-    tables: CodeTables, data: Tensor, scale_inv: Tensor | None, into: tuple[Scratch, str] | None = None
+    tables: CodeTables,
+    data: Tensor,
+    scale_inv: Tensor | None,
+    into: tuple[Scratch, str] | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """FP8 ``data`` as float32 (times a 0-d float32 ``scale_inv`` if given): ``data.float() * scale_inv``.
 
@@ -188,8 +193,8 @@ def gather(
     else:
         scratch, name = into
         index = scratch("index", keys.numel(), torch.int32, data.device).copy_(keys)
-        out = scratch(name, flat.numel(), torch.float32, data.device).view(lookup.dtype)
-        values = torch.index_select(lookup, 0, index, out=out)
+        target = scratch(name, flat.numel(), torch.float32, data.device) if out is None else out.view(-1)
+        values = torch.index_select(lookup, 0, index, out=target.view(lookup.dtype))
     values = values.view(torch.float32).view(codes.shape)
     return values.t() if flip else values
 
@@ -207,16 +212,20 @@ def _scaled(table: Tensor, scale_inv: Tensor, paired: bool, into: tuple[Scratch,
     return scaled.view(table.dtype)
 
 
-def dequantize_into(tables: CodeTables, data: Tensor, scale_inv: Tensor, into: tuple[Scratch, str]) -> Tensor:
+def dequantize_into(
+    tables: CodeTables, data: Tensor, scale_inv: Tensor, into: tuple[Scratch, str], out: Tensor | None = None
+) -> Tensor:
     """``data.float() * scale_inv`` (FP8 ``data``, a 0-d float32 ``scale_inv``) written into this thread's
-    buffer ``into`` (only where :func:`quiet` holds): E4M3 through :func:`gather`; E5M2, whose conversion
-    torch makes faster than a lookup, converted into the buffer and scaled there."""
+    buffer ``into`` (only where :func:`quiet` holds), or into ``out`` (a contiguous float32 tensor of as many
+    elements) with the scratch's other buffers: E4M3 through :func:`gather`; E5M2, whose conversion torch
+    makes faster than a lookup, converted into the buffer and scaled there."""
     if data.dtype == torch.float8_e4m3fn:
-        return gather(tables, data, scale_inv, into)
+        return gather(tables, data, scale_inv, into, out)
     scratch, name = into
     flip = _transposed(data)
     source = data.t() if flip else data
-    values = scratch(name, data.numel(), torch.float32, data.device).view(source.shape)
+    target = scratch(name, data.numel(), torch.float32, data.device) if out is None else out
+    values = target.view(source.shape)
     values.copy_(source).mul_(scale_inv)
     return values.t() if flip else values
 
@@ -237,21 +246,43 @@ def as_float32(x: Tensor, scratch: Scratch | None) -> Tensor:
     return scratch("float32", x.numel(), torch.float32, x.device).view(x.shape).copy_(x)
 
 
+def host_abs_max(xf: Tensor) -> Tensor | float:
+    """``xf``'s ``max|x|`` from one ``torch.aminmax``, read on the host (only where :func:`readable`): a
+    float, or where either end is NaN the 0-d tensor :func:`scalestate.math.abs_max` gives (NaN). Two
+    reads on the host cost less than the three operations on 0-d tensors that combine the ends."""
+    low, high = torch.aminmax(xf)
+    lo, hi = low.item(), high.item()
+    if lo != lo or hi != hi:
+        return torch.maximum(high, low.neg()).abs()
+    return max(abs(lo), abs(hi))  # abs of each: max(-0.0, 0.0) would keep the sign of -0.0
+
+
 def saturate(
-    xf: Tensor, scale: Tensor, fp8_max: float, dtype: torch.dtype, scratch: Scratch | None, amax: Tensor | None = None
+    xf: Tensor,
+    scale: Tensor,
+    fp8_max: float,
+    dtype: torch.dtype,
+    scratch: Scratch | None,
+    amax: Tensor | float | None = None,
 ) -> Tensor:
     """``(xf * scale).clamp_(-fp8_max, fp8_max).to(dtype)``: the saturating cast of float32 ``xf``.
 
-    With ``amax`` (``xf``'s ``max|x|``, where :func:`readable`) and at least
+    With ``amax`` (``xf``'s ``max|x|``, where :func:`readable`; a tensor, or
+    a float from :func:`host_abs_max`) and at least
     :data:`CLAMP_CHECK_MIN_NUMEL` elements, the clamp
     is left out where ``|amax * scale|`` is at most ``fp8_max``: a product
     rounds monotonically in its magnitude, so no element's product is
     larger, and the clamp would change nothing (a NaN or infinite amax or
-    scale keeps it). With ``scratch`` (only where :func:`quiet` holds), a
-    contiguous ``xf``'s scaled copy is made in the scratch's ``"a"`` buffer:
-    the FP8 data is the one tensor allocated.
+    scale keeps it; a float amax is multiplied exactly, in double precision,
+    which can only keep a clamp that float32's rounding would leave out).
+    With ``scratch`` (only where :func:`quiet` holds), a contiguous ``xf``'s
+    scaled copy is made in the scratch's ``"a"`` buffer: the FP8 data is the
+    one tensor allocated.
     """
-    in_range = amax is not None and xf.numel() >= CLAMP_CHECK_MIN_NUMEL and abs(float(amax * scale)) <= fp8_max
+    in_range = False
+    if amax is not None and xf.numel() >= CLAMP_CHECK_MIN_NUMEL:
+        bound = amax * float(scale) if isinstance(amax, float) else float(amax * scale)
+        in_range = abs(bound) <= fp8_max
     if scratch is None or not xf.is_contiguous():
         scaled = xf * scale
     else:

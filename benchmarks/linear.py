@@ -5,7 +5,10 @@ baseline), and ss.nn.Linear for each recipe asked for on each backend that can
 run it there. Prints milliseconds per iteration and the ratio to the baseline,
 the ratio of every other backend to the emulation backend on the same recipe,
 and the bytes the layer saves for backward (activations: the baseline saves
-the high-precision input; ss.nn.Linear saves FP8 (or NVFP4) data and scales only).
+the high-precision input; ss.nn.Linear saves FP8 (or NVFP4) data and scales only)
+and those its backend keeps from the forward to the backward (the emulation
+backend's float32 copies of the cached weight cast and of the saved input:
+``EmulationBackend.kept_bytes()``, the input's bounded by ``saved_copy_bytes``).
 The variants are timed in turn, ``--rounds`` times over, and each keeps its
 fastest round, so that a busy moment of the machine does not land on one of
 them only.
@@ -91,8 +94,20 @@ def main() -> None:
     if args.iters < 1 or args.rounds < 1:
         parser.error("--iters and --rounds must be at least 1")
     base = torch.nn.Linear(args.size, args.size, device=device, dtype=dtype)
-    # label -> (recipe, backend, step, bytes saved for backward); the baseline first
-    variants = {"torch.nn.Linear": ("", "", step_of(base), saved_for_backward_bytes(step_of(base)))}
+    def kept_by(layer: torch.nn.Module, backend: object) -> int:
+        """Bytes ``backend`` keeps between the layer's forward and its backward (0 if it keeps none)."""
+        kept = getattr(backend, "kept_bytes", None)
+        if kept is None:
+            return 0
+        y = layer(x)
+        held: int = kept()
+        y.backward(g)
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        return held
+
+    # label -> (recipe, backend, step, bytes saved for backward, bytes the backend keeps); the baseline first
+    variants = {"torch.nn.Linear": ("", "", step_of(base), saved_for_backward_bytes(step_of(base)), 0)}
     for name, (ok, reason) in ss.backends.available_backends(device).items():
         for recipe_name in recipes:
             label = f"ss.nn.Linear[{recipe_name}, {name}]"
@@ -107,22 +122,23 @@ def main() -> None:
             except ss.errors.BackendUnavailableError as e:
                 print(f"  ({label} skipped: {e})")
                 continue
-            variants[label] = (recipe_name, name, step_of(layer), saved)
+            variants[label] = (recipe_name, name, step_of(layer), saved, kept_by(layer, manager.backend))
     best = dict.fromkeys(variants, float("inf"))
     for _ in range(args.rounds):
-        for label, (_, _, step, _) in variants.items():
+        for label, (_, _, step, _, _) in variants.items():
             best[label] = min(best[label], _time(step, device, args.iters))
     print(f"forward+backward, {args.tokens} x {args.size} @ {args.size} x {args.size}, {dtype}, {device} "
           f"(fastest of {args.rounds} rounds of {args.iters})")
     base_ms, base_saved = best["torch.nn.Linear"], variants["torch.nn.Linear"][3]
-    emulated = {recipe: best[label] for label, (recipe, backend, _, _) in variants.items() if backend == "emulation"}
-    for label, (recipe, backend, _, saved) in variants.items():
+    emulated = {recipe: best[label] for label, (recipe, backend, *_) in variants.items() if backend == "emulation"}
+    for label, (recipe, backend, _, saved, kept) in variants.items():
         ms = best[label]
         other = backend not in ("", "emulation") and recipe in emulated
         versus = f"   x{ms / emulated[recipe]:.2f} of emulation" if other else ""
         print(
             f"  {label:<40} {ms:9.3f} ms   x{ms / base_ms:.2f} of torch.nn.Linear   "
-            f"saved for backward {saved / 2**20:7.2f} MiB (x{saved / base_saved:.2f}){versus}"
+            f"saved for backward {saved / 2**20:7.2f} MiB (x{saved / base_saved:.2f}), "
+            f"kept by the backend {kept / 2**20:6.2f} MiB{versus}"
         )
     for n in [int(e) for e in args.experts.split(",") if e.strip()]:
         grouped_rows(n, args.expert_size, args.tokens, recipes[0], device, dtype, args.iters)

@@ -205,11 +205,15 @@ class TestKeptDequantization:
         assert len(log) > 0
 
     def test_a_linear_dequantizes_its_cached_weight_once_per_step_bitwise(self):
-        """Later microbatches gather only the input's codes (forward and backward), and training gives
-        the bits of a backend that keeps nothing."""
+        """Later microbatches gather only the input's codes: once, in the forward, whose copy the backward
+        takes (keep_saved); twice without saved copies; and training gives the bits of a backend that keeps
+        nothing."""
 
         class KeepsNothing(EmulationBackend):
             def keep_dequantized(self, q: Quantized, *, brief: bool = False) -> None:
+                pass
+
+            def keep_saved(self, q: Quantized) -> None:
                 pass
 
         def run(backend):
@@ -232,7 +236,84 @@ class TestKeptDequantization:
             return gathers, out
 
         gathers, kept = run(EmulationBackend())
+        gathers_unsaved, unsaved = run(EmulationBackend(saved_copy_bytes=0))
         gathers_plain, plain = run(KeepsNothing())
-        assert gathers[1:3] == [2, 2], gathers  # the input's codes, forward and backward
+        assert gathers[1:3] == [1, 1], gathers  # the input's codes, in the forward only
+        assert gathers_unsaved[1:3] == [2, 2], gathers_unsaved  # forward and backward
         assert gathers_plain[1:3] == [4, 4], gathers_plain
         assert_same(kept, plain)
+        assert_same(unsaved, plain)
+
+
+class TestSavedCopies:
+    """keep_saved: a layer's input is dequantized once, in its forward, for its weight gradient too,
+    within saved_copy_bytes."""
+
+    @staticmethod
+    def _model(backend, n=3, width=128):
+        torch.manual_seed(0)
+        manager = ss.ScalingStateManager(ss.DelayedScaling(history_len=4), backend=backend)
+        layers = torch.nn.Sequential(*(ss.nn.Linear(width, width, manager=manager, name=f"l{i}") for i in range(n)))
+        return manager, layers
+
+    def test_the_newest_inputs_are_kept_within_the_limit_until_their_backward(self):
+        copy = 64 * 128 * 4  # one input's float32 copy
+        backend = EmulationBackend(saved_copy_bytes=2 * copy)
+        manager, model = self._model(backend)
+        weights = 3 * 128 * 128 * 4  # each cached weight cast's copy (keep_dequantized)
+        log, gathers = OpLog(), []  # after each layer's backward (the last layer's first): the gathers so far
+        for layer in model:
+            layer.register_full_backward_hook(lambda *_: gathers.append(log.count("aten.index_select.default")))
+        x = torch.randn(64, 128, requires_grad=True)
+        with manager.forward():
+            y = model(x)
+        assert backend.kept_bytes() == weights + 2 * copy  # the first layer's copy was dropped for the third's
+        with log, manager.backward():
+            y.sum().backward()
+        # Only the first layer's input (dropped) is dequantized again; the gradients' casts are E5M2 (no table).
+        assert gathers == [0, 0, 1], gathers
+        del y
+        assert backend.kept_bytes() == weights  # the saved copies went with their inputs' FP8 data
+
+    def test_no_copy_without_a_weight_gradient_or_beyond_the_limit(self):
+        backend = EmulationBackend(saved_copy_bytes=64 * 128 * 4 - 1)  # one byte short of an input's copy
+        manager, model = self._model(backend, n=1)
+        x = torch.randn(64, 128, requires_grad=True)
+        with manager.forward():
+            y = model(x)
+        assert backend.kept_bytes() == 128 * 128 * 4  # the weight's copy only
+        backend.saved_copy_bytes = 1 << 20
+        model[0].weight.requires_grad_(False)  # the backward then takes only the weight
+        with manager.forward():
+            y = model(x)
+        assert backend.kept_bytes() == 128 * 128 * 4
+        y.sum().backward()
+
+    def test_training_gives_the_bits_of_no_saved_copies_with_checkpointing_and_microbatches(self):
+        def run(backend):
+            manager, model = self._model(backend)
+            out = []
+            for step in range(3):
+                for _ in range(2):
+                    x = torch.randn(64, 128, requires_grad=True)
+                    with manager.forward():
+                        y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False) if step else model(x)
+                    with manager.backward():
+                        y.square().sum().backward()
+                    out += [y.detach(), x.grad]
+                manager.step()
+            return out + [p.grad for p in model.parameters()] + list(manager.buffers().values())
+
+        assert_same(run(EmulationBackend()), run(EmulationBackend(saved_copy_bytes=0)))
+
+    @pytest.mark.parametrize(
+        ("value", "error"), [(-1, ss.errors.ArgumentValueError), ("64", ss.errors.ArgumentTypeError),
+                             (True, ss.errors.ArgumentTypeError), (1.5, ss.errors.ArgumentTypeError)],
+    )
+    def test_bad_limits_are_refused(self, value, error):
+        with pytest.raises(error, match="saved_copy_bytes"):
+            EmulationBackend(saved_copy_bytes=value)
+
+    def test_repr_names_a_limit_other_than_the_default(self):
+        assert repr(EmulationBackend()) == "EmulationBackend()"
+        assert repr(EmulationBackend(saved_copy_bytes=0)) == "EmulationBackend(saved_copy_bytes=0)"

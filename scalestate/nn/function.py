@@ -18,8 +18,8 @@ from scalestate.backends import Backend
 from scalestate.quantized import Quantized
 
 __all__ = [
-    "FP8LinearFunction", "GradCaster", "backward_products", "forward_product", "linear_backward", "linear_forward",
-    "product", "saved_operands",
+    "FP8LinearFunction", "GradCaster", "backward_products", "forward_product", "keep_saved_input", "linear_backward",
+    "linear_forward", "product", "saved_operands",
 ]
 
 
@@ -119,6 +119,15 @@ def _keep(backend: Backend, q: Quantized, brief: bool = False) -> None:
     keep = getattr(backend, "keep_dequantized", None)
     if keep is not None:
         keep(q, brief=brief)
+
+
+def keep_saved_input(backend: Backend, qx: Quantized, weight: Tensor) -> None:
+    """Before a layer's :class:`FP8LinearFunction`: where autograd records it and the weight gradient's
+    product will take ``qx`` again, tell a backend that dequantizes its operands (the emulation) to keep
+    ``qx``'s dequantization until then (see ``EmulationBackend.keep_saved``)."""
+    keep = getattr(backend, "keep_saved", None)
+    if keep is not None and weight.requires_grad and torch.is_grad_enabled():
+        keep(qx)
 
 
 def forward_product(

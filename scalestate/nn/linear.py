@@ -14,7 +14,7 @@ from scalestate.manager import ScalingStateManager
 from scalestate.nn import tensor_parallel
 from scalestate.nn.base import WeightSlotModule, check_module_arguments, quantize_weight
 from scalestate.nn.compiled_linear import compiled_linear
-from scalestate.nn.function import FP8LinearFunction
+from scalestate.nn.function import FP8LinearFunction, keep_saved_input
 from scalestate.quantized import Quantized
 from scalestate.recipe import Role
 
@@ -104,6 +104,7 @@ def _through_casts(
             qw = qw.rowwise()
     else:
         qw = quantize_weight(handle, weight, transpose=transpose)
+    keep_saved_input(backend, qx, weight)
     # torch types Function.apply as untyped; its result here is the forward's Tensor
     cast_grad = functools.partial(_cast_grad, handle)
     if weight_transposed:

@@ -70,7 +70,7 @@ from scalestate.backends import Backend
 from scalestate.distributed import nan_as_flags, nan_from_flags
 from scalestate.errors import CastError
 from scalestate.handle import ScalingHandle
-from scalestate.nn.function import FP8LinearFunction
+from scalestate.nn.function import FP8LinearFunction, keep_saved_input
 from scalestate.quantized import Quantized
 from scalestate.recipe import Role
 from scalestate.sac import hidden_from_sac
@@ -263,6 +263,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, handle: ScalingHandle
     def cast_grad(grad_out: Tensor, transpose: bool) -> Quantized:  # with the whole gradient's scale
         return caster.cast(grad_out, Role.GRAD_OUTPUT, layout.g_dims, transpose)
 
+    keep_saved_input(caster.backend, qx, w_local)
     # torch types Function.apply as untyped; its result here is the forward's Tensor
     out2: Tensor = FP8LinearFunction.apply(  # type: ignore[no-untyped-call]
         x2, w_local, b_local, qx, qw, cast_grad, caster.backend, out_dtype, bias_here
