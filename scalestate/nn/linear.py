@@ -138,8 +138,10 @@ class Linear(WeightSlotModule, torch.nn.Linear):
     Forward: ``x`` and the weight are cast (the weight cast is cached until the
     weight or the scales change) and multiplied in FP8. Backward: the output
     gradient is cast and both products (input and weight gradients) run in FP8;
-    the only activation saved is the FP8 input. Parameters and ``state_dict``
-    keys are those of ``torch.nn.Linear``.
+    the only activation saved is the FP8 input (the emulation backend, which
+    multiplies in float32, also keeps a float32 copy of it until the backward,
+    within its ``saved_copy_bytes``). Parameters and ``state_dict`` keys are
+    those of ``torch.nn.Linear``.
 
     Args:
         in_features, out_features, bias: as in ``torch.nn.Linear``.
