@@ -132,12 +132,11 @@ class EmulationBackend:
             amax = abs_max(xf)  # NaN propagates, as a max of |x| must
             scale = _chosen(request, lambda: scale_from_amax(amax, spec.fp8_max, spec.rule, previous=request.scale))
         data = saturate(xf, scale, spec.fp8_max, spec.dtype, scratch, amax if host else None)
-        if request.record is None:
-            pass
-        elif isinstance(amax, float):  # a finite or infinite amax: the same max, one operation on 0-d
-            request.record.clamp_(min=amax)
-        else:
-            torch.maximum(request.record, amax, out=request.record)
+        if request.record is not None:
+            if isinstance(amax, float):  # a finite or infinite amax: the same max, one operation on 0-d
+                request.record.clamp_(min=amax)
+            else:
+                torch.maximum(request.record, amax, out=request.record)
         return _per_tensor(data, scale, torch.reciprocal(scale), request.transpose)
 
     def cast_grouped(self, request: GroupedCastRequest) -> tuple[Quantized, ...]:

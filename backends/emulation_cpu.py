@@ -31,6 +31,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from scalestate.math import abs_max_of_ends
 from scalestate.sac import hidden_from_sac
 
 __all__ = [
@@ -189,7 +190,7 @@ def gather(
     lookup = table if scale_inv is None else _scaled(table, scale_inv, paired, into)
     keys = flat.view(torch.uint16) if paired else flat
     if into is None:
-        values = torch.index_select(lookup, 0, keys.int())
+        values = torch.index_select(lookup, 0, keys.int(), out=None if out is None else out.view(lookup.dtype))
     else:
         scratch, name = into
         index = scratch("index", keys.numel(), torch.int32, data.device).copy_(keys)
@@ -248,12 +249,12 @@ def as_float32(x: Tensor, scratch: Scratch | None) -> Tensor:
 
 def host_abs_max(xf: Tensor) -> Tensor | float:
     """``xf``'s ``max|x|`` from one ``torch.aminmax``, read on the host (only where :func:`readable`): a
-    float, or where either end is NaN the 0-d tensor :func:`scalestate.math.abs_max` gives (NaN). Two
-    reads on the host cost less than the three operations on 0-d tensors that combine the ends."""
+    float, or where either end is NaN the 0-d tensor :func:`scalestate.math.abs_max_of_ends` gives (NaN).
+    Two reads on the host cost less than the three operations on 0-d tensors that combine the ends."""
     low, high = torch.aminmax(xf)
     lo, hi = low.item(), high.item()
     if lo != lo or hi != hi:
-        return torch.maximum(high, low.neg()).abs()
+        return abs_max_of_ends(low, high)
     return max(abs(lo), abs(hi))  # abs of each: max(-0.0, 0.0) would keep the sign of -0.0
 
 

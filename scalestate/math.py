@@ -33,6 +33,7 @@ __all__ = [
     "FLOAT32_TINY",
     "ScaleRule",
     "abs_max",
+    "abs_max_of_ends",
     "amax_from_history",
     "is_usable_amax",
     "nonfinite_mask",
@@ -92,7 +93,19 @@ def abs_max(x: Tensor) -> Tensor:
         return x.new_zeros(())
     if torch.compiler.is_compiling():
         return x.abs().amax()
-    low, high = torch.aminmax(x)
+    return abs_max_of_ends(*torch.aminmax(x))
+
+
+def abs_max_of_ends(low: Tensor, high: Tensor) -> Tensor:
+    """``max|x|`` from ``x``'s smallest and largest elements (``torch.aminmax(x)``): the larger of ``high``
+    and ``-low``, NaN if either is, and ``+0.0`` for zeros of either sign.
+
+    Example:
+        >>> import torch
+        >>> from scalestate.math import abs_max_of_ends
+        >>> abs_max_of_ends(torch.tensor(-3.0), torch.tensor(2.0))
+        tensor(3.)
+    """
     return torch.maximum(high, low.neg()).abs()
 
 

@@ -79,6 +79,14 @@ class TestGather:
         got = gather(CodeTables(), data, torch.tensor(2.0), (scratch, "out"))
         assert got.data_ptr() == scratch("out", data.numel(), torch.float32, data.device).data_ptr()
 
+    @pytest.mark.parametrize("into", [False, True], ids=["alone", "with-scratch"])
+    def test_out_takes_the_values_with_or_without_scratch(self, into):
+        scratch, data, scale_inv = Scratch(), every_code(torch.float8_e4m3fn), torch.tensor(2.0)
+        out = torch.empty(data.numel())
+        got = gather(CodeTables(), data, scale_inv, (scratch, "out") if into else None, out)
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(bits(got), bits(data.float() * scale_inv))
+
 
 class TestSaturate:
     @pytest.mark.parametrize(("dtype", "fp8_max"), [(torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)],
